@@ -10,7 +10,11 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "sequoia", version, about = "Exact tree speculative decoding (Sequoia) across machines")]
+#[command(
+    name = "sequoia",
+    version,
+    about = "Exact tree speculative decoding (Sequoia) across machines"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

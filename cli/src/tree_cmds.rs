@@ -45,7 +45,8 @@ pub fn load_acceptance(inline: &Option<Vec<f64>>, file: &Option<PathBuf>) -> Res
     let Some(path) = file else {
         bail!("give the acceptance vector with --acceptance 0.6,0.1,... or --acceptance-file F");
     };
-    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let value: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
     let array = match &value {
@@ -53,7 +54,10 @@ pub fn load_acceptance(inline: &Option<Vec<f64>>, file: &Option<PathBuf>) -> Res
         v => v.clone(),
     };
     serde_json::from_value(array).with_context(|| {
-        format!("{}: expected a JSON array of numbers (or {{\"acceptance\": [...]}})", path.display())
+        format!(
+            "{}: expected a JSON array of numbers (or {{\"acceptance\": [...]}})",
+            path.display()
+        )
     })
 }
 
@@ -69,7 +73,10 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
     }
     let tree = sequoia_shared::tree::Tree::from_parents_limited(
         &plan.parents,
-        sequoia_shared::tree::TreeLimits { max_nodes: usize::MAX, max_levels: usize::MAX },
+        sequoia_shared::tree::TreeLimits {
+            max_nodes: usize::MAX,
+            max_levels: usize::MAX,
+        },
     )?;
     println!(
         "Sequoia tree: {} nodes, {} levels, expected tokens per step {:.4}",
@@ -91,7 +98,11 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    let mut p: Vec<f64> = planner::EXAMPLE_ACCEPTANCE.iter().copied().take(args.width).collect();
+    let mut p: Vec<f64> = planner::EXAMPLE_ACCEPTANCE
+        .iter()
+        .copied()
+        .take(args.width)
+        .collect();
     while p.len() < args.width {
         p.push(0.0005);
     }

@@ -12,11 +12,15 @@
 //!   GGUF and safetensors loading;
 //! - [`tokenizer`]: tokenizers from tokenizer.json or GGUF metadata, chat templates, fingerprints;
 //! - [`models`]: the default model set and where it is fetched to.
+//!
+//! Service plumbing shared by both binaries: [`config`] (figment layers) and [`telemetry`].
 
+pub mod config;
 pub mod engine;
 pub mod models;
 pub mod planner;
 pub mod sampling;
+pub mod telemetry;
 pub mod tokenizer;
 pub mod tree;
 pub mod verify;

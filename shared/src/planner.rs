@@ -235,7 +235,10 @@ impl SequoiaDp {
     /// The optimal tree with at most `nodes` nodes and at most `levels` levels (fewer only when
     /// extra nodes would add nothing).
     pub fn tree(&self, nodes: usize, levels: usize) -> Tree {
-        assert!(nodes >= 1 && nodes <= self.max_nodes, "nodes out of the solved range");
+        assert!(
+            nodes >= 1 && nodes <= self.max_nodes,
+            "nodes out of the solved range"
+        );
         let l = levels.min(self.max_levels).min(nodes).max(1);
         // Nested form: children lists per node id, built recursively, then relabelled BFS.
         let mut kids: Vec<Vec<usize>> = vec![Vec::new()];
@@ -344,7 +347,11 @@ mod tests {
             let got = dp.expected(n, 10);
             assert!((got - want).abs() < 1e-3, "n={n}: {got} vs {want}");
             let tree = dp.tree(n, 10);
-            assert_eq!(tree.len(), n, "every node is worth something under this vector");
+            assert_eq!(
+                tree.len(),
+                n,
+                "every node is worth something under this vector"
+            );
             assert!(tree.levels() <= 10);
             assert!((expected_tokens(&tree, &p) - got).abs() < 1e-9);
         }
@@ -403,7 +410,9 @@ mod tests {
             let s: f64 = p.iter().sum::<f64>() + rng.gen::<f64>() * 0.5;
             p.iter_mut().for_each(|x| *x /= s);
             let dp = SequoiaDp::solve(&p, 8, 8).unwrap();
-            let trees: Vec<Vec<Tree>> = (0..=8).map(|n| if n == 0 { vec![] } else { all_trees(n) }).collect();
+            let trees: Vec<Vec<Tree>> = (0..=8)
+                .map(|n| if n == 0 { vec![] } else { all_trees(n) })
+                .collect();
             for n in 1..=8 {
                 for l in 1..=n {
                     let brute = (1..=n)
@@ -412,7 +421,10 @@ mod tests {
                         .map(|t| expected_tokens(t, &p))
                         .fold(f64::NEG_INFINITY, f64::max);
                     let got = dp.expected(n, l);
-                    assert!((got - brute).abs() < 1e-9, "n={n} l={l} p={p:?}: {got} vs {brute}");
+                    assert!(
+                        (got - brute).abs() < 1e-9,
+                        "n={n} l={l} p={p:?}: {got} vs {brute}"
+                    );
                     let t = dp.tree(n, l);
                     assert!(t.len() <= n);
                     assert!(t.levels() <= l);
@@ -431,7 +443,10 @@ mod tests {
 
     #[test]
     fn bad_inputs_are_errors() {
-        assert_eq!(SequoiaDp::solve(&[], 4, 4).err(), Some(PlanError::EmptyAcceptance));
+        assert_eq!(
+            SequoiaDp::solve(&[], 4, 4).err(),
+            Some(PlanError::EmptyAcceptance)
+        );
         assert!(matches!(
             SequoiaDp::solve(&[0.5, -0.1], 4, 4),
             Err(PlanError::BadProbability { index: 1, .. })
@@ -440,8 +455,14 @@ mod tests {
             SequoiaDp::solve(&[0.7, 0.7], 4, 4),
             Err(PlanError::SumAboveOne(_))
         ));
-        assert!(matches!(SequoiaDp::solve(&[0.5], 0, 4), Err(PlanError::NoNodes(0))));
-        assert!(matches!(plan(&[f64::NAN], 4, None), Err(PlanError::BadProbability { .. })));
+        assert!(matches!(
+            SequoiaDp::solve(&[0.5], 0, 4),
+            Err(PlanError::NoNodes(0))
+        ));
+        assert!(matches!(
+            plan(&[f64::NAN], 4, None),
+            Err(PlanError::BadProbability { .. })
+        ));
     }
 
     #[test]

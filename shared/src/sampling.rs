@@ -355,11 +355,12 @@ mod tests {
 
     #[test]
     fn rng_is_reproducible_and_streams_differ() {
-        let a: Vec<f64> = (0..4).map({
-            let mut r = SessionRng::new(42, DRAFT_STREAM);
-            move |_| r.uniform()
-        })
-        .collect();
+        let a: Vec<f64> = (0..4)
+            .map({
+                let mut r = SessionRng::new(42, DRAFT_STREAM);
+                move |_| r.uniform()
+            })
+            .collect();
         let mut r = SessionRng::new(42, DRAFT_STREAM);
         let b: Vec<f64> = (0..4).map(|_| r.uniform()).collect();
         let mut r = SessionRng::new(42, VERIFY_STREAM);
@@ -392,7 +393,10 @@ mod tests {
         for (i, &c) in first.iter().enumerate() {
             let f = c as f64 / n as f64;
             let p = q.probs[i] as f64;
-            assert!((f - p).abs() < 5.0 * (p * (1.0 - p) / n as f64).sqrt(), "{i}: {f}");
+            assert!(
+                (f - p).abs() < 5.0 * (p * (1.0 - p) / n as f64).sqrt(),
+                "{i}: {f}"
+            );
         }
         // Given 5 first, the second is 9 with probability 0.3 / 0.5.
         let m = (second_given_5[0] + second_given_5[1]) as f64;

@@ -288,7 +288,13 @@ impl Tree {
     pub fn rank(&self, i: usize) -> usize {
         match self.parent(i) {
             None => 0,
-            Some(p) => self.children[p].iter().position(|&c| c as usize == i).unwrap() + 1,
+            Some(p) => {
+                self.children[p]
+                    .iter()
+                    .position(|&c| c as usize == i)
+                    .unwrap()
+                    + 1
+            }
         }
     }
 
@@ -340,7 +346,10 @@ mod tests {
         assert_eq!(Tree::from_parents(&[0]), Err(TreeError::BadRoot(0)));
         assert!(matches!(
             Tree::from_parents(&[-1, 1]),
-            Err(TreeError::ParentOutOfRange { index: 1, parent: 1 })
+            Err(TreeError::ParentOutOfRange {
+                index: 1,
+                parent: 1
+            })
         ));
         assert!(matches!(
             Tree::from_parents(&[-1, 0, 5]),
@@ -364,7 +373,10 @@ mod tests {
         ));
         assert!(matches!(
             Tree::from_parents_limited(&[-1, 0, 1, 2], lim),
-            Err(TreeError::TooManyLevels { levels: 4, limit: 3 })
+            Err(TreeError::TooManyLevels {
+                levels: 4,
+                limit: 3
+            })
         ));
         let msg = Tree::from_parents(&[-1, 0, 7]).unwrap_err().to_string();
         assert!(msg.contains("parents[2] = 7"), "{msg}");
@@ -374,7 +386,10 @@ mod tests {
     fn json_round_trip_and_validation() {
         let t: Tree = serde_json::from_str(r#"{ "parents": [-1, 0, 0, 1] }"#).unwrap();
         assert_eq!(t.len(), 4);
-        assert_eq!(serde_json::to_string(&t).unwrap(), r#"{"parents":[-1,0,0,1]}"#);
+        assert_eq!(
+            serde_json::to_string(&t).unwrap(),
+            r#"{"parents":[-1,0,0,1]}"#
+        );
         assert!(serde_json::from_str::<Tree>(r#"{ "parents": [-1, 3] }"#).is_err());
     }
 

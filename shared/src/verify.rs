@@ -11,7 +11,9 @@
 //! Everything here treats its inputs as untrusted: [`Step::new`] checks a tree, its tokens and
 //! its q's and names the problem; verification itself never panics and never produces NaN.
 
-use crate::sampling::{argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, SparseDist};
+use crate::sampling::{
+    argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, SparseDist,
+};
 use crate::tree::Tree;
 use serde::Serialize;
 
@@ -27,13 +29,25 @@ pub enum StepError {
     #[error("tokens has {got} entries but the tree has {nodes} nodes")]
     TokenCount { got: usize, nodes: usize },
     #[error("tokens[{index}] = {token} is outside the vocabulary (size {vocab})")]
-    TokenOutOfVocab { index: usize, token: u32, vocab: usize },
+    TokenOutOfVocab {
+        index: usize,
+        token: u32,
+        vocab: usize,
+    },
     #[error("draft_dists has {got} entries but the tree has {expected} nodes with children")]
     DistCount { got: usize, expected: usize },
     #[error("draft_dists[{index}]: tokens has {tokens} entries but probs has {probs}")]
-    DistLengths { index: usize, tokens: usize, probs: usize },
+    DistLengths {
+        index: usize,
+        tokens: usize,
+        probs: usize,
+    },
     #[error("draft_dists[{index}]: token {token} is outside the vocabulary (size {vocab})")]
-    DistTokenOutOfVocab { index: usize, token: u32, vocab: usize },
+    DistTokenOutOfVocab {
+        index: usize,
+        token: u32,
+        vocab: usize,
+    },
     #[error("draft_dists[{index}]: token {token} appears twice")]
     DistDuplicate { index: usize, token: u32 },
     #[error("draft_dists[{index}]: probability {value} is not finite and ≥ 0")]
@@ -72,8 +86,16 @@ impl<'a> Step<'a> {
                 nodes: tree.len(),
             });
         }
-        if let Some((index, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-            return Err(StepError::TokenOutOfVocab { index, token, vocab });
+        if let Some((index, &token)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, &t)| t as usize >= vocab)
+        {
+            return Err(StepError::TokenOutOfVocab {
+                index,
+                token,
+                vocab,
+            });
         }
         let expanded: Vec<usize> = tree.expanded_nodes().collect();
         let use_dists = need_dists || !dists.is_empty();
@@ -142,7 +164,11 @@ fn validate_dist(index: usize, q: &SparseDist, vocab: usize) -> Result<(), StepE
     let mut seen = std::collections::HashSet::with_capacity(q.tokens.len());
     for (&token, &value) in q.tokens.iter().zip(&q.probs) {
         if token as usize >= vocab {
-            return Err(StepError::DistTokenOutOfVocab { index, token, vocab });
+            return Err(StepError::DistTokenOutOfVocab {
+                index,
+                token,
+                vocab,
+            });
         }
         if !seen.insert(token) {
             return Err(StepError::DistDuplicate { index, token });
@@ -369,7 +395,12 @@ mod tests {
     }
 
     /// Run speculative steps until two tokens are emitted; return them.
-    fn first_two(shape: &Tree, params: &SamplingParams, sparse_k: usize, rng: &mut SessionRng) -> (u32, u32) {
+    fn first_two(
+        shape: &Tree,
+        params: &SamplingParams,
+        sparse_k: usize,
+        rng: &mut SessionRng,
+    ) -> (u32, u32) {
         let mut ctx = vec![0u32];
         let mut emitted = Vec::new();
         while emitted.len() < 2 {
@@ -380,7 +411,11 @@ mod tests {
                 c.extend(tree.path_to(v).iter().skip(1).map(|&u| tokens[u]));
                 c
             };
-            let verdict = verify_stochastic(&step, |v| probs_from_logits(&target_logits(&node_ctx(v)), params), rng);
+            let verdict = verify_stochastic(
+                &step,
+                |v| probs_from_logits(&target_logits(&node_ctx(v)), params),
+                rng,
+            );
             let out = verdict.emitted(&tokens);
             ctx.extend(&out);
             emitted.extend(out);
@@ -388,7 +423,11 @@ mod tests {
         (emitted[0], emitted[1])
     }
 
-    fn joint(ctx0: &[u32], params: &SamplingParams, model: impl Fn(&[u32]) -> Vec<f32>) -> Vec<f64> {
+    fn joint(
+        ctx0: &[u32],
+        params: &SamplingParams,
+        model: impl Fn(&[u32]) -> Vec<f32>,
+    ) -> Vec<f64> {
         let p1 = probs_from_logits(&model(ctx0), params);
         let mut out = vec![0.0; V * V];
         for a in 0..V {
@@ -429,27 +468,45 @@ mod tests {
     fn emitted_tokens_follow_the_target_distribution() {
         const N: usize = 40_000;
         let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, 8, 4).unwrap();
-        let shapes = [("chain", Tree::chain(4)), ("star", Tree::star(5)), ("sequoia", dp.tree(8, 4))];
+        let shapes = [
+            ("chain", Tree::chain(4)),
+            ("star", Tree::star(5)),
+            ("sequoia", dp.tree(8, 4)),
+        ];
         let mut worst_overall: f64 = 0.0;
         for (name, shape) in &shapes {
             for &t in &[0.3f32, 0.7, 1.0] {
                 for &top_p in &[1.0f32, 0.8] {
                     for &sparse_k in &[0usize, 3] {
-                        let params = SamplingParams { temperature: t, top_k: 0, top_p };
+                        let params = SamplingParams {
+                            temperature: t,
+                            top_k: 0,
+                            top_p,
+                        };
                         let expected = joint(&[0], &params, target_logits);
-                        let mut rng = SessionRng::new(12345, (t * 10.0) as u64 * 100 + sparse_k as u64);
+                        let mut rng =
+                            SessionRng::new(12345, (t * 10.0) as u64 * 100 + sparse_k as u64);
                         let mut counts = vec![0usize; V * V];
                         for _ in 0..N {
                             let (a, b) = first_two(shape, &params, sparse_k, &mut rng);
                             counts[a as usize * V + b as usize] += 1;
                         }
                         let s = worst_sigma(&counts, &expected, N);
-                        assert!(s <= 5.0, "{name} T={t} top_p={top_p} sparse_k={sparse_k}: {s:.2}σ");
+                        assert!(
+                            s <= 5.0,
+                            "{name} T={t} top_p={top_p} sparse_k={sparse_k}: {s:.2}σ"
+                        );
                         worst_overall = worst_overall.max(s);
                         // Power: the draft's own joint is far outside the same bound.
                         let draft = joint(&[0], &params, draft_logits);
-                        let exp_counts: Vec<usize> = draft.iter().map(|&p| (p * N as f64).round() as usize).collect();
-                        assert!(worst_sigma(&exp_counts, &expected, N) > 5.0, "test has no power here");
+                        let exp_counts: Vec<usize> = draft
+                            .iter()
+                            .map(|&p| (p * N as f64).round() as usize)
+                            .collect();
+                        assert!(
+                            worst_sigma(&exp_counts, &expected, N) > 5.0,
+                            "test has no power here"
+                        );
                     }
                 }
             }
@@ -485,7 +542,10 @@ mod tests {
                             path.into_iter().rev().skip(1).collect()
                         };
                         c.extend(pt.iter().map(|&u| tokens[u]));
-                        for (r, tok) in crate::sampling::greedy_top_k(&draft_logits(&c), want).into_iter().enumerate() {
+                        for (r, tok) in crate::sampling::greedy_top_k(&draft_logits(&c), want)
+                            .into_iter()
+                            .enumerate()
+                        {
                             parents.push(v as i32);
                             tokens.push(tok);
                             map.push(shape.children(map[v])[r] as usize);
@@ -520,8 +580,14 @@ mod tests {
     #[test]
     fn step_validation_names_the_problem() {
         let tree = Tree::from_parents(&[-1, 0, 0, 1]).unwrap();
-        let q0 = SparseDist { tokens: vec![1, 2], probs: vec![0.6, 0.4] };
-        let q1 = SparseDist { tokens: vec![3], probs: vec![1.0] };
+        let q0 = SparseDist {
+            tokens: vec![1, 2],
+            probs: vec![0.6, 0.4],
+        };
+        let q1 = SparseDist {
+            tokens: vec![3],
+            probs: vec![1.0],
+        };
         let dists = vec![q0.clone(), q1.clone()];
         assert!(Step::new(&tree, &[0, 1, 2, 3], &dists, 5, true).is_ok());
         let e = Step::new(&tree, &[0, 1, 2], &dists, 5, true).unwrap_err();
@@ -531,15 +597,51 @@ mod tests {
         let e = Step::new(&tree, &[0, 1, 1, 3], &dists, 5, true).unwrap_err();
         assert!(matches!(e, StepError::DuplicateSibling { child: 2, .. }));
         let e = Step::new(&tree, &[0, 1, 4, 3], &dists, 5, true).unwrap_err();
-        assert!(matches!(e, StepError::ChildNotInDist { child: 2, token: 4 }));
+        assert!(matches!(
+            e,
+            StepError::ChildNotInDist { child: 2, token: 4 }
+        ));
         let e = Step::new(&tree, &[0, 1, 2, 3], &dists[..1], 5, true).unwrap_err();
-        assert!(matches!(e, StepError::DistCount { got: 1, expected: 2 }));
-        let bad = vec![SparseDist { tokens: vec![1, 2], probs: vec![0.9, 0.4] }, q1.clone()];
-        assert!(matches!(Step::new(&tree, &[0, 1, 2, 3], &bad, 5, true), Err(StepError::DistMass { .. })));
-        let bad = vec![SparseDist { tokens: vec![1, 2], probs: vec![f32::NAN, 0.4] }, q1.clone()];
-        assert!(matches!(Step::new(&tree, &[0, 1, 2, 3], &bad, 5, true), Err(StepError::DistBadProb { .. })));
-        let bad = vec![SparseDist { tokens: vec![1, 1], probs: vec![0.5, 0.4] }, q1];
-        assert!(matches!(Step::new(&tree, &[0, 1, 2, 3], &bad, 5, true), Err(StepError::DistDuplicate { .. })));
+        assert!(matches!(
+            e,
+            StepError::DistCount {
+                got: 1,
+                expected: 2
+            }
+        ));
+        let bad = vec![
+            SparseDist {
+                tokens: vec![1, 2],
+                probs: vec![0.9, 0.4],
+            },
+            q1.clone(),
+        ];
+        assert!(matches!(
+            Step::new(&tree, &[0, 1, 2, 3], &bad, 5, true),
+            Err(StepError::DistMass { .. })
+        ));
+        let bad = vec![
+            SparseDist {
+                tokens: vec![1, 2],
+                probs: vec![f32::NAN, 0.4],
+            },
+            q1.clone(),
+        ];
+        assert!(matches!(
+            Step::new(&tree, &[0, 1, 2, 3], &bad, 5, true),
+            Err(StepError::DistBadProb { .. })
+        ));
+        let bad = vec![
+            SparseDist {
+                tokens: vec![1, 1],
+                probs: vec![0.5, 0.4],
+            },
+            q1,
+        ];
+        assert!(matches!(
+            Step::new(&tree, &[0, 1, 2, 3], &bad, 5, true),
+            Err(StepError::DistDuplicate { .. })
+        ));
         assert!(e.to_string().contains("draft_dists"));
         // Greedy needs no q.
         assert!(Step::new(&tree, &[0, 1, 2, 3], &[], 5, false).is_ok());
@@ -549,7 +651,10 @@ mod tests {
     fn identical_p_and_q_accept_and_never_nan() {
         // p == q: the first child is always accepted (residual never needed).
         let tree = Tree::star(2);
-        let q = vec![SparseDist { tokens: vec![0, 1], probs: vec![0.5, 0.5] }];
+        let q = vec![SparseDist {
+            tokens: vec![0, 1],
+            probs: vec![0.5, 0.5],
+        }];
         let step = Step::new(&tree, &[2, 0, 1], &q, 3, true).unwrap();
         let mut rng = SessionRng::new(0, 0);
         for _ in 0..1000 {

@@ -1,1 +1,87 @@
-//! placeholder
+//! verify-service: hosts the target model and verifies drafted token trees.
+//!
+//! Each `Verifier.Session` stream is one generation: the node prefills the prompt into a KV
+//! cache of its own, then for every tree runs one tree-masked forward, applies the exact
+//! verification rule (`sequoia_shared::verify`) and compacts the cache to the accepted path.
+//! The cache lives exactly as long as the stream. `Info` and `Profile` let draft nodes check
+//! tokenizer compatibility and measure verify cost for the planner.
+//!
+//! Layout: [`config`] (settings), [`session`] (plain per-session logic), [`service`] (the gRPC
+//! layer), and [`serve`] here (health, reflection, graceful shutdown).
+
+pub mod config;
+pub mod service;
+pub mod session;
+
+use anyhow::Context;
+use config::VerifyConfig;
+use sequoia_proto::v1::verifier_server::VerifierServer;
+use sequoia_shared::engine::{LoadOptions, Model};
+use sequoia_shared::tokenizer::TextTokenizer;
+use service::{VerifierService, VerifyState};
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+
+/// Largest gRPC message accepted (a 1024-node tree with 1024-entry q's is ~8 MB).
+pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
+
+/// Load the target model and its tokenizer as configured.
+pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
+    if config.model.as_os_str().is_empty() {
+        anyhow::bail!(
+            "no target model given: pass --model PATH (a .gguf file or a Hugging Face folder)"
+        );
+    }
+    let opts = LoadOptions {
+        threads: (config.threads > 0).then_some(config.threads),
+        cuda: config.cuda,
+        max_context: config.max_context,
+    };
+    let model = Model::load(&config.model, &opts)
+        .with_context(|| format!("loading target model {}", config.model.display()))?;
+    let tokenizer = TextTokenizer::load_for_model(&config.model)
+        .with_context(|| format!("loading tokenizer for {}", config.model.display()))?;
+    Ok(Arc::new(VerifyState::new(model, tokenizer, config)))
+}
+
+/// Serve Verifier + health + reflection on `listener` until `shutdown` resolves; then stop
+/// taking sessions and let open ones finish.
+pub async fn serve(
+    state: Arc<VerifyState>,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter
+        .set_serving::<VerifierServer<VerifierService>>()
+        .await;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(sequoia_proto::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let verifier = VerifierServer::new(VerifierService::new(state.clone()))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let drain_state = state.clone();
+    let shutdown = async move {
+        shutdown.await;
+        drain_state.draining.store(true, Ordering::SeqCst);
+        reporter
+            .set_not_serving::<VerifierServer<VerifierService>>()
+            .await;
+        tracing::info!("shutting down: no new sessions, open sessions finish");
+    };
+    tracing::info!(addr = %listener.local_addr()?, model = %state.model.info().name, "verify-service listening");
+    tonic::transport::Server::builder()
+        .tcp_nodelay(true)
+        .add_service(health)
+        .add_service(reflection)
+        .add_service(verifier)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,428 @@
+//! `generate-local` and `engine-bench`: the engine alone on this machine.
+//!
+//! `generate-local` is the baseline every speedup is measured against: plain autoregressive
+//! decoding of the target model with the same engine, sampler and cores as the services.
+//! `engine-bench` measures what the planner needs: decode speed and the cost `t(n)` of one
+//! tree-masked forward over `n` nodes at a working context length.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use sequoia_shared::engine::{LoadOptions, Model};
+use sequoia_shared::sampling::{
+    argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
+};
+use sequoia_shared::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
+use sequoia_shared::tree::Tree;
+
+/// A model argument: a path (GGUF file or Hugging Face folder) or a default model's short name
+/// (`qwen2.5-coder-1.5b`, ...), fetched on first use.
+fn resolve_model(arg: &str) -> Result<PathBuf> {
+    let path = PathBuf::from(arg);
+    if path.exists() {
+        return Ok(path);
+    }
+    if sequoia_shared::models::spec(arg).is_ok() {
+        return sequoia_shared::models::ensure_model(arg)
+            .with_context(|| format!("fetching model {arg}"));
+    }
+    bail!("model {arg:?} is neither an existing path nor a known model name")
+}
+
+fn load_model(arg: &str, threads: Option<usize>, cuda: bool, max_context: usize) -> Result<Model> {
+    let path = resolve_model(arg)?;
+    let opts = LoadOptions {
+        threads,
+        cuda,
+        max_context,
+    };
+    Model::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateLocalArgs {
+    /// GGUF file, Hugging Face folder, or a default model name (e.g. qwen2.5-coder-1.5b).
+    #[arg(long)]
+    pub model: String,
+    /// The prompt (raw text unless --chat).
+    #[arg(long)]
+    pub prompt: String,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep only the k most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// CPU threads (rayon pool size).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// Use the prompt text as is (the default; accepted for explicitness).
+    #[arg(long, conflicts_with = "chat")]
+    pub raw: bool,
+    /// Keep going after an end-of-sequence token (fixed-length benchmarks).
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Run on the first CUDA device.
+    #[arg(long)]
+    pub cuda: bool,
+    #[arg(long, default_value_t = 4096)]
+    pub max_context: usize,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct GenerateReport {
+    model: String,
+    text: String,
+    tokens: Vec<u32>,
+    prompt_tokens: usize,
+    generated_tokens: usize,
+    /// "eos", "length" (max_tokens) or "context" (context limit reached).
+    finish_reason: &'static str,
+    prefill_ms: f64,
+    /// Time of the single-token forwards after the first token.
+    decode_ms: f64,
+    /// Single-token forwards per second (the decode speed).
+    tokens_per_second: f64,
+    total_ms: f64,
+    threads: usize,
+}
+
+/// Plain autoregressive decoding with the target alone (the baseline).
+pub fn generate_local(args: &GenerateLocalArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+    };
+    params.validate()?;
+    if args.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let path = resolve_model(&args.model)?;
+    let tok = TextTokenizer::load_for_model(&path)
+        .with_context(|| format!("tokenizer for {}", path.display()))?;
+    let model = load_model(&args.model, args.threads, args.cuda, args.max_context)?;
+    let prompt_ids = if args.chat {
+        let text = tok.apply_chat_template(&[ChatMessage::user(args.prompt.clone())], true)?;
+        tok.encode(&text, false)?
+    } else {
+        tok.encode(&args.prompt, true)?
+    };
+    if prompt_ids.is_empty() {
+        bail!("the prompt encodes to no tokens");
+    }
+
+    let start = Instant::now();
+    let mut cache = model.new_cache();
+    let mut logits = model.forward_chain_last(&mut cache, &prompt_ids)?;
+    let prefill_ms = ms(start);
+
+    let mut rng = SessionRng::new(args.seed, VERIFY_STREAM);
+    let mut out: Vec<u32> = Vec::with_capacity(args.max_tokens);
+    let mut stream = IncrementalDecoder::new(&tok, true);
+    let mut stdout = std::io::stdout().lock();
+    let decode_start = Instant::now();
+    let mut forwards = 0usize;
+    let finish_reason = loop {
+        let next = if params.is_greedy() {
+            argmax(&logits)
+        } else {
+            sample_dense(&probs_from_logits(&logits, &params), &mut rng)
+        };
+        out.push(next);
+        if !args.json {
+            write!(stdout, "{}", stream.push(&[next])?)?;
+            stdout.flush()?;
+        }
+        if tok.is_eos(next) && !args.ignore_eos {
+            break "eos";
+        }
+        if out.len() >= args.max_tokens {
+            break "length";
+        }
+        if cache.len() >= cache.capacity() {
+            break "context";
+        }
+        logits = model.forward_chain_last(&mut cache, &[next])?;
+        forwards += 1;
+    };
+    let decode_ms = ms(decode_start);
+    let total_ms = ms(start);
+    let text = tok.decode(&out, true)?;
+    let report = GenerateReport {
+        model: model.info().name.clone(),
+        text,
+        prompt_tokens: prompt_ids.len(),
+        generated_tokens: out.len(),
+        tokens: out,
+        finish_reason,
+        prefill_ms,
+        decode_ms,
+        tokens_per_second: if decode_ms > 0.0 {
+            forwards as f64 / (decode_ms / 1e3)
+        } else {
+            0.0
+        },
+        total_ms,
+        threads: rayon_threads(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        writeln!(stdout, "{}", stream.flush()?)?;
+        eprintln!(
+            "[{} prompt tokens, prefill {:.0} ms; {} tokens, {:.2} tokens/s; finish: {}]",
+            report.prompt_tokens,
+            report.prefill_ms,
+            report.generated_tokens,
+            report.tokens_per_second,
+            report.finish_reason
+        );
+    }
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    // The engine sizes rayon's global pool; candle re-exports nothing for this, so ask rayon via
+    // the engine's init (a no-op once set).
+    sequoia_shared::engine::current_threads()
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchTree {
+    /// The Sequoia-optimal tree of n nodes for a typical acceptance vector.
+    Sequoia,
+    /// A chain of n nodes.
+    Chain,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct EngineBenchArgs {
+    /// GGUF file, Hugging Face folder, or a default model name (e.g. qwen2.5-coder-1.5b).
+    #[arg(long)]
+    pub model: String,
+    /// CPU threads (rayon pool size).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Committed context length before each measured forward.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Tree sizes n to time.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64,128")]
+    pub sizes: Vec<usize>,
+    /// Timed repeats per size (after one warm-up); the median is reported.
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Single-token decode steps timed for tokens/s.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Tree shape.
+    #[arg(long, value_enum, default_value = "sequoia")]
+    pub tree: BenchTree,
+    /// Run on the first CUDA device.
+    #[arg(long)]
+    pub cuda: bool,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct TreeTiming {
+    n: usize,
+    levels: usize,
+    ms_median: f64,
+    ms_min: f64,
+    /// t(n) / t(1).
+    ratio: f64,
+}
+
+#[derive(Serialize)]
+struct BenchReport {
+    model: String,
+    weights: String,
+    device: String,
+    threads: usize,
+    context: usize,
+    load_ms: f64,
+    prefill_tokens_per_second: f64,
+    decode_ms_median: f64,
+    decode_tokens_per_second: f64,
+    tree: &'static str,
+    /// t(n): one tree-masked forward over n nodes (logits for every node), median over repeats.
+    t: Vec<TreeTiming>,
+}
+
+fn bench_tree(kind: BenchTree, n: usize) -> Result<Tree> {
+    Ok(match kind {
+        BenchTree::Chain => Tree::chain(n),
+        BenchTree::Sequoia => {
+            use sequoia_shared::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
+            let levels = n.min(16);
+            SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, n, levels)?.tree(n, levels)
+        }
+    })
+}
+
+/// Deterministic filler tokens (the cost of a forward does not depend on the ids).
+fn filler_tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| {
+            let x = (i + 1 + salt * 7919).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            ((x >> 20) % vocab.min(30_000) as u64) as u32
+        })
+        .collect()
+}
+
+/// Decode speed and the tree-forward cost curve t(n).
+pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
+    if args.repeats == 0 {
+        bail!("--repeats must be at least 1");
+    }
+    let max_n = args.sizes.iter().copied().max().unwrap_or(1);
+    let needed = args.context + max_n.max(args.decode_tokens) + 1;
+    let t0 = Instant::now();
+    let model = load_model(&args.model, args.threads, args.cuda, needed.max(4096))?;
+    let load_ms = ms(t0);
+    let info = model.info().clone();
+    let vocab = info.vocab_size;
+    if !args.json {
+        eprintln!(
+            "{} ({}, {} layers, {}), {} threads, loaded in {:.1} s",
+            info.name,
+            info.architecture,
+            info.n_layers,
+            info.weights,
+            rayon_threads(),
+            load_ms / 1e3
+        );
+    }
+
+    // Committed context.
+    let mut cache = model.new_cache();
+    let ctx_tokens = filler_tokens(args.context.max(1), vocab, 1);
+    let t = Instant::now();
+    let mut logits = model.forward_chain_last(&mut cache, &ctx_tokens)?;
+    let prefill_tps = ctx_tokens.len() as f64 / t.elapsed().as_secs_f64();
+    let base = cache.len();
+
+    // Decode: feed back the argmax like a greedy generation.
+    let mut steps = Vec::with_capacity(args.decode_tokens);
+    for _ in 0..args.decode_tokens {
+        let next = argmax(&logits);
+        let t = Instant::now();
+        logits = model.forward_chain_last(&mut cache, &[next])?;
+        steps.push(ms(t));
+    }
+    cache.truncate(base);
+    let decode_ms_median = median(&mut steps);
+
+    // Tree forwards: warm-up once, then the median of `repeats`, truncating back each time.
+    let mut timings = Vec::new();
+    let mut t1 = None;
+    for &n in &args.sizes {
+        if n == 0 {
+            continue;
+        }
+        let tree = bench_tree(args.tree, n)?;
+        let tokens = filler_tokens(tree.len(), vocab, 2 + n as u64);
+        let mut xs = Vec::with_capacity(args.repeats);
+        for rep in 0..=args.repeats {
+            let t = Instant::now();
+            model.forward_tree(&mut cache, &tokens, &tree)?;
+            let e = ms(t);
+            cache.truncate(base);
+            if rep > 0 {
+                xs.push(e);
+            }
+        }
+        let ms_min = xs.iter().copied().fold(f64::INFINITY, f64::min);
+        let ms_median = median(&mut xs);
+        if tree.len() == 1 {
+            t1 = Some(ms_median);
+        }
+        let ratio = ms_median / t1.unwrap_or(decode_ms_median);
+        let row = TreeTiming {
+            n: tree.len(),
+            levels: tree.levels(),
+            ms_median,
+            ms_min,
+            ratio,
+        };
+        if !args.json {
+            eprintln!(
+                "t({:>3}) = {:>8.2} ms  (min {:>8.2}, {:>2} levels, {:>5.2} x t(1))",
+                row.n, row.ms_median, row.ms_min, row.levels, row.ratio
+            );
+        }
+        timings.push(row);
+    }
+    let report = BenchReport {
+        model: info.name.clone(),
+        weights: info.weights.clone(),
+        device: info.device.clone(),
+        threads: rayon_threads(),
+        context: base,
+        load_ms,
+        prefill_tokens_per_second: prefill_tps,
+        decode_ms_median,
+        decode_tokens_per_second: 1e3 / decode_ms_median,
+        tree: match args.tree {
+            BenchTree::Sequoia => "sequoia",
+            BenchTree::Chain => "chain",
+        },
+        t: timings,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "model {}  weights {}  threads {}  context {}",
+            report.model, report.weights, report.threads, report.context
+        );
+        println!(
+            "prefill {:.1} tokens/s   decode {:.2} tokens/s ({:.2} ms/token)",
+            report.prefill_tokens_per_second, report.decode_tokens_per_second, decode_ms_median
+        );
+        println!("{:>5} {:>7} {:>11} {:>11} {:>9}", "n", "levels", "median ms", "min ms", "t(n)/t(1)");
+        for r in &report.t {
+            println!(
+                "{:>5} {:>7} {:>11.2} {:>11.2} {:>9.2}",
+                r.n, r.levels, r.ms_median, r.ms_min, r.ratio
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,78 @@
+//! draft-service settings (defaults < TOML file < `SEQUOIA_*` env < flags); every key is
+//! documented in deploy/config/draft-service.toml.
+
+use sequoia_shared::planner::EXAMPLE_ACCEPTANCE;
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DraftConfig {
+    /// Draft model: a .gguf file or a Hugging Face folder.
+    pub model: PathBuf,
+    /// Verify nodes, e.g. ["http://10.0.0.5:50052"].
+    pub verify: Vec<String>,
+    /// gRPC listen address for the public Generation service.
+    pub listen: String,
+    /// Compute threads (0 = all cores).
+    pub threads: usize,
+    /// Run the draft on the GPU (needs the `cuda` feature).
+    pub cuda: bool,
+    /// Context limit of the draft's KV caches, in tokens.
+    pub max_context: usize,
+    /// Concurrent generations; more get RESOURCE_EXHAUSTED.
+    pub max_sessions: usize,
+    /// max_tokens when a request leaves it at 0.
+    pub default_max_tokens: u32,
+    /// Tokens of the draft's distribution sent per expanded node (the sparse q on the wire).
+    pub wire_top_k: usize,
+    /// Seconds to wait for one verify step before declaring the node unavailable.
+    pub step_timeout_secs: f64,
+    /// Seconds to wait when connecting to a verify node.
+    pub connect_timeout_secs: f64,
+    pub tree: TreeConfig,
+    /// Emit JSON log lines.
+    pub log_json: bool,
+}
+
+/// The tree shape: a Sequoia DP tree for this acceptance vector within the budget.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TreeConfig {
+    /// Acceptance vector p_1, p_2, ... (measure it with `sequoia tree measure-acceptance`).
+    pub acceptance: Vec<f64>,
+    /// Node budget per tree, root included (1 = no speculation).
+    pub nodes: usize,
+    /// Maximum levels, root included.
+    pub max_levels: usize,
+}
+
+impl Default for TreeConfig {
+    fn default() -> Self {
+        Self {
+            acceptance: EXAMPLE_ACCEPTANCE.to_vec(),
+            nodes: 8,
+            max_levels: 6,
+        }
+    }
+}
+
+impl Default for DraftConfig {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::new(),
+            verify: Vec::new(),
+            listen: "0.0.0.0:50051".into(),
+            threads: 0,
+            cuda: false,
+            max_context: 4096,
+            max_sessions: 16,
+            default_max_tokens: 256,
+            wire_top_k: 64,
+            step_timeout_secs: 60.0,
+            connect_timeout_secs: 5.0,
+            tree: TreeConfig::default(),
+            log_json: false,
+        }
+    }
+}

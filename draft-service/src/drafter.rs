@@ -1,0 +1,193 @@
+//! The draft side of one generation: the draft model's KV cache, growing a token tree level by
+//! level (ALGORITHMS.md §3), and following the verify node's verdict. Plain library code with
+//! no networking.
+
+use sequoia_shared::engine::{EngineError, KvCache, Model};
+use sequoia_shared::sampling::{
+    greedy_top_k, probs_from_logits, sample_without_replacement, SamplingParams, SessionRng,
+    SparseDist, DRAFT_STREAM,
+};
+use sequoia_shared::tree::{Tree, TreeLimits};
+
+/// A drafted tree ready to send: shape, tokens, and q for every expanded node (empty at T = 0).
+#[derive(Debug, Clone)]
+pub struct DraftedTree {
+    pub tree: Tree,
+    pub tokens: Vec<u32>,
+    pub dists: Vec<SparseDist>,
+    /// Nodes 0..forwarded went through the draft model (and sit in its cache); deeper leaves
+    /// did not need to.
+    forwarded: usize,
+}
+
+/// Why a verdict cannot be applied to the tree it answers.
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error("verdict does not fit the tree: {0}")]
+    BadVerdict(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+pub struct DraftSession {
+    cache: KvCache,
+    rng: SessionRng,
+    params: SamplingParams,
+    wire_top_k: usize,
+}
+
+impl DraftSession {
+    /// Prefill the committed prefix (the prompt without its last token, the first root).
+    pub fn new(
+        model: &Model,
+        prefix: &[u32],
+        params: SamplingParams,
+        seed: u64,
+        wire_top_k: usize,
+    ) -> Result<Self, EngineError> {
+        let mut cache = model.new_cache();
+        if !prefix.is_empty() {
+            model.forward_chain_last(&mut cache, prefix)?;
+        }
+        Ok(Self {
+            cache,
+            rng: SessionRng::new(seed, DRAFT_STREAM),
+            params,
+            wire_top_k,
+        })
+    }
+
+    /// Tokens in the draft's cache (committed context).
+    pub fn context_len(&self) -> usize {
+        self.cache.len()
+    }
+
+    /// Grow a tree of (at most) `shape` from `root`: one draft forward per level over that
+    /// level's nodes, then children by sampling without replacement from q (greedy top-b at
+    /// T = 0). A node gets fewer children than planned when q has fewer tokens.
+    pub fn grow(
+        &mut self,
+        model: &Model,
+        root: u32,
+        shape: &Tree,
+    ) -> Result<DraftedTree, EngineError> {
+        let mut parents = vec![-1i32];
+        let mut tokens = vec![root];
+        let mut shape_of = vec![0usize];
+        let mut dists = Vec::new();
+        let mut level_start = 0;
+        let mut forwarded = 0;
+        while level_start < parents.len() {
+            let level_end = parents.len();
+            let expand: Vec<usize> = (level_start..level_end)
+                .filter(|&v| !shape.children(shape_of[v]).is_empty())
+                .collect();
+            if expand.is_empty() {
+                break;
+            }
+            let partial = unchecked_tree(&parents);
+            let logits = model.forward_tree_extend(
+                &mut self.cache,
+                &tokens,
+                &partial,
+                level_start,
+                &expand,
+            )?;
+            forwarded = level_end;
+            for (row, &v) in expand.iter().enumerate() {
+                let want = shape.children(shape_of[v]);
+                let kids = if self.params.is_greedy() {
+                    greedy_top_k(logits.row(row), want.len())
+                } else {
+                    let dense = probs_from_logits(logits.row(row), &self.params);
+                    let q = SparseDist::top_k_of(&dense, self.wire_top_k);
+                    let kids = sample_without_replacement(&q, want.len(), &mut self.rng);
+                    dists.push(q);
+                    kids
+                };
+                for (r, tok) in kids.into_iter().enumerate() {
+                    parents.push(v as i32);
+                    tokens.push(tok);
+                    shape_of.push(want[r] as usize);
+                }
+            }
+            level_start = level_end;
+        }
+        // An expanded node whose q was empty got no children: drop its q so that dists lines up
+        // with the nodes that have children.
+        let tree = unchecked_tree(&parents);
+        if !self.params.is_greedy() {
+            let expanded_planned: Vec<usize> = (0..forwarded)
+                .filter(|&v| !shape.children(shape_of[v]).is_empty())
+                .collect();
+            let mut kept = Vec::with_capacity(dists.len());
+            for (q, v) in dists.into_iter().zip(expanded_planned) {
+                if !tree.children(v).is_empty() {
+                    kept.push(q);
+                }
+            }
+            dists = kept;
+        }
+        Ok(DraftedTree {
+            tree,
+            tokens,
+            dists,
+            forwarded,
+        })
+    }
+
+    /// Follow the verdict: keep the root and the accepted path in the cache, and run the draft
+    /// over accepted tokens it has not processed yet (a deepest-level leaf, or the root of a
+    /// root-only tree), so the cache again holds exactly the committed context.
+    pub fn commit(
+        &mut self,
+        model: &Model,
+        drafted: &DraftedTree,
+        accepted: &[usize],
+    ) -> Result<(), DraftError> {
+        check_path(&drafted.tree, accepted)?;
+        let f = drafted.forwarded;
+        let mut path = Vec::with_capacity(accepted.len() + 1);
+        path.push(0);
+        path.extend_from_slice(accepted);
+        let keep: Vec<usize> = path.iter().copied().filter(|&v| v < f).collect();
+        if f > 0 {
+            self.cache.keep_newest(f, &keep)?;
+        }
+        let missing: Vec<u32> = path
+            .iter()
+            .filter(|&&v| v >= f)
+            .map(|&v| drafted.tokens[v])
+            .collect();
+        if !missing.is_empty() {
+            model.forward_chain_last(&mut self.cache, &missing)?;
+        }
+        Ok(())
+    }
+}
+
+/// Check that `accepted` is a root-to-leaf path of `tree` (untrusted input from the network).
+pub fn check_path(tree: &Tree, accepted: &[usize]) -> Result<(), DraftError> {
+    let mut prev = 0usize;
+    for (k, &v) in accepted.iter().enumerate() {
+        if v == 0 || v >= tree.len() || tree.parent(v) != Some(prev) {
+            return Err(DraftError::BadVerdict(format!(
+                "accepted_nodes[{k}] = {v} is not a child of node {prev} in a tree of {} nodes",
+                tree.len()
+            )));
+        }
+        prev = v;
+    }
+    Ok(())
+}
+
+fn unchecked_tree(parents: &[i32]) -> Tree {
+    Tree::from_parents_limited(
+        parents,
+        TreeLimits {
+            max_nodes: usize::MAX,
+            max_levels: usize::MAX,
+        },
+    )
+    .expect("drafted trees are built in BFS order")
+}

@@ -1,0 +1,543 @@
+//! One `Generate` call end to end: tokenize, open a verify session, then loop
+//! grow tree → verify → follow the verdict → stream text, until EOS, a stop string, max_tokens
+//! or the context limit.
+
+use crate::drafter::{DraftSession, DraftedTree};
+use crate::nodes::{unavailable, VerifyNode};
+use crate::DraftState;
+use sequoia_proto::v1::{
+    session_request, session_response, GenerateChunk, GenerateRequest, GenerateSummary,
+    OpenSession, SamplingConfig, SessionRequest, SparseDist as PbDist, Timings, TreePlan,
+    VerifyTree,
+};
+use sequoia_shared::sampling::SamplingParams;
+use sequoia_shared::tokenizer::{ChatMessage, IncrementalDecoder};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tonic::Status;
+use tracing::{debug, info_span, Instrument};
+
+pub type ChunkTx = mpsc::Sender<Result<GenerateChunk, Status>>;
+
+/// A request checked and turned into tokens and settings.
+pub struct Prepared {
+    pub prompt_tokens: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_tokens: usize,
+    pub seed: u64,
+    pub stop: Vec<String>,
+}
+
+/// Validate a request (INVALID_ARGUMENT naming the field) and tokenize its prompt.
+pub fn prepare(state: &DraftState, req: &GenerateRequest) -> Result<Prepared, Status> {
+    let invalid = |m: String| Status::invalid_argument(m);
+    if req.prompt.is_empty() == req.messages.is_empty() {
+        return Err(invalid(
+            "give exactly one of `prompt` (text) or `messages` (chat)".into(),
+        ));
+    }
+    if !req.temperature.is_finite() || req.temperature < 0.0 {
+        return Err(invalid(format!(
+            "temperature must be finite and ≥ 0, got {}",
+            req.temperature
+        )));
+    }
+    if !req.top_p.is_finite() || !(0.0..=1.0).contains(&req.top_p) {
+        return Err(invalid(format!(
+            "top_p must be in [0, 1] (0 = off), got {}",
+            req.top_p
+        )));
+    }
+    if req.stop.iter().any(|s| s.is_empty()) {
+        return Err(invalid("stop strings must not be empty".into()));
+    }
+    let tok = &state.tokenizer;
+    let text = if !req.messages.is_empty() || req.apply_chat_template {
+        let messages: Vec<ChatMessage> = if req.messages.is_empty() {
+            vec![ChatMessage {
+                role: "user".into(),
+                content: req.prompt.clone(),
+            }]
+        } else {
+            for (i, m) in req.messages.iter().enumerate() {
+                if !matches!(m.role.as_str(), "system" | "user" | "assistant") {
+                    return Err(invalid(format!(
+                        "messages[{i}].role must be system, user or assistant, got {:?}",
+                        m.role
+                    )));
+                }
+            }
+            req.messages
+                .iter()
+                .map(|m| ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect()
+        };
+        tok.apply_chat_template(&messages, true).map_err(|e| {
+            Status::failed_precondition(format!("cannot render the chat template: {e}"))
+        })?
+    } else {
+        req.prompt.clone()
+    };
+    // A rendered chat template already carries its own special tokens (BOS included).
+    let templated = !req.messages.is_empty() || req.apply_chat_template;
+    let prompt_tokens = tok
+        .encode(&text, !templated)
+        .map_err(|e| invalid(format!("prompt cannot be tokenized: {e}")))?;
+    if prompt_tokens.is_empty() {
+        return Err(invalid("prompt tokenizes to nothing".into()));
+    }
+    let max_tokens = if req.max_tokens == 0 {
+        state.config.default_max_tokens
+    } else {
+        req.max_tokens
+    } as usize;
+    let limit = state.context_limit();
+    if prompt_tokens.len() + max_tokens > limit {
+        return Err(Status::resource_exhausted(format!(
+            "prompt ({} tokens) + max_tokens ({max_tokens}) exceeds the context limit of {limit} tokens",
+            prompt_tokens.len()
+        )));
+    }
+    Ok(Prepared {
+        prompt_tokens,
+        params: SamplingParams {
+            temperature: req.temperature,
+            top_k: req.top_k as usize,
+            top_p: if req.top_p <= 0.0 { 1.0 } else { req.top_p },
+        },
+        max_tokens,
+        seed: req.seed.unwrap_or_else(rand_seed),
+        stop: req.stop.clone(),
+    })
+}
+
+fn rand_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos(),
+    );
+    h.finish()
+}
+
+/// Text bookkeeping: detokenize committed tokens one at a time, detect stop strings exactly at
+/// the token that completes them, and hold back text that could still become a stop string.
+struct TextOut<'a> {
+    decoder: IncrementalDecoder<'a>,
+    text: String,
+    sent: usize,
+    stop: Vec<String>,
+    hold: usize,
+}
+
+impl<'a> TextOut<'a> {
+    /// Append one token's text; returns true when a stop string is now complete (text is cut
+    /// before it).
+    fn push(&mut self, token: u32) -> Result<bool, Status> {
+        let delta = self
+            .decoder
+            .push(&[token])
+            .map_err(|e| Status::internal(format!("detokenize: {e}")))?;
+        let from = self
+            .text
+            .len()
+            .saturating_sub(self.hold)
+            .max(self.sent.min(self.text.len()));
+        let from = floor_char(&self.text, from);
+        self.text.push_str(&delta);
+        for s in &self.stop {
+            if let Some(pos) = self.text[from..].find(s.as_str()) {
+                self.text.truncate(from + pos);
+                return Ok(true);
+            }
+        }
+        Ok(false)
+    }
+
+    /// Text safe to send now (cannot be the start of a stop string).
+    fn take_ready(&mut self, finished: bool) -> String {
+        let end = if finished {
+            self.text.len()
+        } else {
+            floor_char(&self.text, self.text.len().saturating_sub(self.hold))
+        };
+        if end <= self.sent {
+            return String::new();
+        }
+        let out = self.text[self.sent..end].to_string();
+        self.sent = end;
+        out
+    }
+}
+
+fn floor_char(s: &str, mut i: usize) -> usize {
+    while i > 0 && !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// Statistics reported in the final chunk.
+#[derive(Default)]
+struct Stats {
+    steps: u32,
+    accepted_by_rank: Vec<u64>,
+    trials_by_rank: Vec<u64>,
+    draft: Duration,
+    verify_ms: f64,
+    roundtrip: Duration,
+}
+
+impl Stats {
+    /// Every verified node with c children is a trial for ranks 1..=c (ALGORITHMS.md §6).
+    fn record(&mut self, drafted: &DraftedTree, accepted: &[usize], ranks: &[u32]) {
+        let tree = &drafted.tree;
+        let mut path = vec![0usize];
+        path.extend_from_slice(accepted);
+        for (k, &v) in path.iter().enumerate() {
+            let c = tree.children(v).len();
+            if self.trials_by_rank.len() < c {
+                self.trials_by_rank.resize(c, 0);
+                self.accepted_by_rank.resize(c, 0);
+            }
+            for r in 0..c {
+                self.trials_by_rank[r] += 1;
+            }
+            if let Some(&rank) = ranks.get(k) {
+                if rank >= 1 && (rank as usize) <= c {
+                    self.accepted_by_rank[rank as usize - 1] += 1;
+                }
+            }
+        }
+    }
+}
+
+/// Run one generation, streaming chunks to `tx`. Errors are returned for the caller to send.
+pub async fn run(state: Arc<DraftState>, prep: Prepared, tx: &ChunkTx) -> Result<(), Status> {
+    let t_start = Instant::now();
+    let node = choose_node(&state).await?;
+    node.active.fetch_add(1, Ordering::SeqCst);
+    let _guard = ActiveGuard(node.clone());
+    let result = generate_on(&state, &node, prep, tx, t_start)
+        .instrument(info_span!("generate", node = %node.addr))
+        .await;
+    result
+}
+
+struct ActiveGuard(Arc<VerifyNode>);
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// The first reachable, compatible verify node in preference order.
+async fn choose_node(state: &DraftState) -> Result<Arc<VerifyNode>, Status> {
+    let mut last_err = None;
+    for node in state.pool.candidates() {
+        match node.info().await {
+            Ok(info) => {
+                if info.tokenizer_fingerprint != state.tokenizer.fingerprint() {
+                    return Err(Status::failed_precondition(format!(
+                        "verify node {} serves {:?}, whose tokenizer differs from the draft model {:?} (fingerprints {} vs {}); draft and target must share a tokenizer",
+                        node.addr,
+                        info.model_name,
+                        state.model.info().name,
+                        short(&info.tokenizer_fingerprint),
+                        short(state.tokenizer.fingerprint())
+                    )));
+                }
+                return Ok(node);
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| Status::unavailable("no verify nodes configured")))
+}
+
+fn short(s: &str) -> &str {
+    &s[..s.len().min(12)]
+}
+
+async fn generate_on(
+    state: &Arc<DraftState>,
+    node: &Arc<VerifyNode>,
+    prep: Prepared,
+    tx: &ChunkTx,
+    t_start: Instant,
+) -> Result<(), Status> {
+    let addr = node.addr.clone();
+    let step_timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
+    let (req_tx, req_rx) = mpsc::channel::<SessionRequest>(2);
+    let prompt = &prep.prompt_tokens;
+    let (prefix, mut root) = (
+        prompt[..prompt.len() - 1].to_vec(),
+        prompt[prompt.len() - 1],
+    );
+    let open = OpenSession {
+        prefix_tokens: prefix.clone(),
+        sampling: Some(SamplingConfig {
+            temperature: prep.params.temperature,
+            top_p: prep.params.top_p,
+            top_k: prep.params.top_k as u32,
+        }),
+        seed: prep.seed,
+        max_new_tokens: prep.max_tokens as u32,
+    };
+    req_tx
+        .send(SessionRequest {
+            msg: Some(session_request::Msg::Open(open)),
+        })
+        .await
+        .map_err(|_| Status::internal("session request channel closed"))?;
+    let mut client = node.client();
+    let mut inbound = tokio::time::timeout(
+        step_timeout,
+        client.session(tokio_stream::wrappers::ReceiverStream::new(req_rx)),
+    )
+    .await
+    .map_err(|_| {
+        Status::unavailable(format!(
+            "verify node {addr} did not answer within {step_timeout:?}"
+        ))
+    })?
+    .map_err(|s| unavailable(&addr, &s))?
+    .into_inner();
+
+    // Prefill the draft while the verify node prefills the target.
+    let model = state.model.clone();
+    let (params, seed, wire_k) = (prep.params, prep.seed, state.config.wire_top_k);
+    let t_prefill = Instant::now();
+    let draft_prefill = tokio::task::spawn_blocking(move || {
+        DraftSession::new(&model, &prefix, params, seed, wire_k)
+    });
+    let opened = next_response(&mut inbound, &addr, step_timeout).await?;
+    let Some(session_response::Msg::Opened(opened)) = opened else {
+        return Err(Status::internal(format!(
+            "verify node {addr} answered `open` with something else"
+        )));
+    };
+    let mut draft = draft_prefill
+        .await
+        .map_err(|e| Status::internal(format!("draft prefill task failed: {e}")))?
+        .map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+    let prefill_ms = t_prefill.elapsed().as_secs_f64() * 1e3;
+    let context_limit = state.context_limit().min(opened.context_limit as usize);
+
+    let eos = state.tokenizer.eos_ids().to_vec();
+    let mut out = TextOut {
+        decoder: IncrementalDecoder::new(&state.tokenizer, true),
+        text: String::new(),
+        sent: 0,
+        hold: prep
+            .stop
+            .iter()
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1),
+        stop: prep.stop.clone(),
+    };
+    let mut generated: Vec<u32> = Vec::new();
+    let mut stats = Stats::default();
+    let mut finish = "length";
+    let mut step: u64 = 0;
+    let t_gen = Instant::now();
+    'steps: while generated.len() < prep.max_tokens {
+        let room = context_limit.saturating_sub(draft.context_len());
+        if room == 0 {
+            finish = "context";
+            break;
+        }
+        let shape = state.plan.shape(room);
+        // Grow the tree (CPU-bound) without stalling the async workers.
+        let t0 = Instant::now();
+        let model = state.model.clone();
+        let shape_c = shape.clone();
+        let (back, drafted) = tokio::task::spawn_blocking(move || {
+            let r = draft.grow(&model, root, &shape_c);
+            (draft, r)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
+        draft = back;
+        let drafted = drafted.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+        stats.draft += t0.elapsed();
+
+        let tree_msg = VerifyTree {
+            step,
+            parents: drafted.tree.parents().to_vec(),
+            tokens: drafted.tokens.clone(),
+            draft_dists: drafted
+                .dists
+                .iter()
+                .map(|q| PbDist {
+                    tokens: q.tokens.clone(),
+                    probs: q.probs.clone(),
+                })
+                .collect(),
+        };
+        let t_rt = Instant::now();
+        req_tx
+            .send(SessionRequest {
+                msg: Some(session_request::Msg::Tree(tree_msg)),
+            })
+            .await
+            .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))?;
+        let Some(session_response::Msg::Verdict(verdict)) =
+            next_response(&mut inbound, &addr, step_timeout).await?
+        else {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered a tree with something else"
+            )));
+        };
+        stats.roundtrip += t_rt.elapsed();
+        stats.verify_ms += verdict.verify_ms;
+        if verdict.step != step {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered step {} for step {step}",
+                verdict.step
+            )));
+        }
+        if verdict.next_token as usize >= state.model.info().vocab_size {
+            return Err(Status::internal(format!(
+                "verify node {addr} sent token {} outside the vocabulary",
+                verdict.next_token
+            )));
+        }
+        let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
+        let t1 = Instant::now();
+        let model = state.model.clone();
+        let drafted_c = drafted.clone();
+        let accepted_c = accepted.clone();
+        let (back, committed) = tokio::task::spawn_blocking(move || {
+            let r = draft.commit(&model, &drafted_c, &accepted_c);
+            (draft, r)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
+        draft = back;
+        committed.map_err(|e| Status::internal(format!("verify node {addr}: {e}")))?;
+        stats.draft += t1.elapsed();
+        stats.record(&drafted, &accepted, &verdict.accepted_ranks);
+        stats.steps += 1;
+        step += 1;
+        debug!(
+            step,
+            accepted = accepted.len(),
+            nodes = drafted.tree.len(),
+            "step"
+        );
+
+        let mut emitted: Vec<u32> = accepted.iter().map(|&v| drafted.tokens[v]).collect();
+        emitted.push(verdict.next_token);
+        root = verdict.next_token;
+        let mut chunk_ids = Vec::new();
+        let mut done = false;
+        for t in emitted {
+            if eos.contains(&t) {
+                finish = "eos";
+                done = true;
+                break;
+            }
+            generated.push(t);
+            chunk_ids.push(t);
+            if out.push(t)? {
+                finish = "stop";
+                done = true;
+                break;
+            }
+            if generated.len() >= prep.max_tokens {
+                done = true;
+                break;
+            }
+        }
+        let text = out.take_ready(done);
+        if (!text.is_empty() || !chunk_ids.is_empty())
+            && tx
+                .send(Ok(GenerateChunk {
+                    text,
+                    token_ids: chunk_ids,
+                    summary: None,
+                }))
+                .await
+                .is_err()
+        {
+            return Ok(()); // client went away; dropping the session frees it on the verify node
+        }
+        if done {
+            break 'steps;
+        }
+    }
+    // Flush whatever text was held back for stop-string matching.
+    let tail = out.take_ready(true);
+    let gen_secs = t_gen.elapsed().as_secs_f64();
+    let n = generated.len();
+    let plan = state.plan.shape(usize::MAX);
+    let summary = GenerateSummary {
+        prompt_tokens: prep.prompt_tokens.len() as u32,
+        generated_tokens: n as u32,
+        steps: stats.steps,
+        mean_tokens_per_step: if stats.steps > 0 {
+            n as f64 / stats.steps as f64
+        } else {
+            0.0
+        },
+        accepted_by_rank: stats.accepted_by_rank,
+        trials_by_rank: stats.trials_by_rank,
+        timings: Some(Timings {
+            total_ms: t_start.elapsed().as_secs_f64() * 1e3,
+            prefill_ms,
+            draft_ms: stats.draft.as_secs_f64() * 1e3,
+            verify_ms: stats.verify_ms,
+            network_ms: (stats.roundtrip.as_secs_f64() * 1e3 - stats.verify_ms).max(0.0),
+            tokens_per_second: if gen_secs > 0.0 {
+                n as f64 / gen_secs
+            } else {
+                0.0
+            },
+        }),
+        finish_reason: finish.into(),
+        seed: prep.seed,
+        verify_node: addr.clone(),
+        plan: Some(TreePlan {
+            parents: plan.parents().to_vec(),
+            nodes: plan.len() as u32,
+            levels: plan.levels() as u32,
+            expected_tokens_per_step: state.plan.expected_tokens(),
+        }),
+    };
+    let _ = tx
+        .send(Ok(GenerateChunk {
+            text: tail,
+            token_ids: vec![],
+            summary: Some(summary),
+        }))
+        .await;
+    Ok(())
+}
+
+async fn next_response(
+    inbound: &mut tonic::Streaming<sequoia_proto::v1::SessionResponse>,
+    addr: &str,
+    timeout: Duration,
+) -> Result<Option<session_response::Msg>, Status> {
+    match tokio::time::timeout(timeout, inbound.message()).await {
+        Err(_) => Err(Status::unavailable(format!(
+            "verify node {addr} did not answer within {timeout:?}"
+        ))),
+        Ok(Err(s)) => Err(unavailable(addr, &s)),
+        Ok(Ok(None)) => Err(Status::unavailable(format!(
+            "verify node {addr} ended the session unexpectedly"
+        ))),
+        Ok(Ok(Some(r))) => Ok(r.msg),
+    }
+}

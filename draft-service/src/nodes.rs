@@ -1,0 +1,120 @@
+//! Verify nodes as the draft sees them: gRPC channels, their `Info`, tokenizer compatibility,
+//! and the choice of a node for each new session.
+
+use sequoia_proto::v1::verifier_client::VerifierClient;
+use sequoia_proto::v1::{InfoRequest, InfoResponse};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::Mutex;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Status;
+
+pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
+
+/// One configured verify node.
+pub struct VerifyNode {
+    pub addr: String,
+    channel: Channel,
+    info: Mutex<Option<InfoResponse>>,
+    /// Sessions this draft node has open there.
+    pub active: AtomicUsize,
+}
+
+impl VerifyNode {
+    pub fn new(addr: &str, connect_timeout: Duration) -> Result<Self, String> {
+        let url = if addr.contains("://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        let endpoint = Endpoint::from_shared(url.clone())
+            .map_err(|e| format!("bad verify node address {addr:?}: {e}"))?
+            .connect_timeout(connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(20))
+            .keep_alive_timeout(Duration::from_secs(10));
+        Ok(Self {
+            addr: url,
+            channel: endpoint.connect_lazy(),
+            info: Mutex::new(None),
+            active: AtomicUsize::new(0),
+        })
+    }
+
+    pub fn client(&self) -> VerifierClient<Channel> {
+        VerifierClient::new(self.channel.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    }
+
+    /// The node's `Info`, fetched once and cached.
+    pub async fn info(&self) -> Result<InfoResponse, Status> {
+        let mut cached = self.info.lock().await;
+        if let Some(i) = cached.as_ref() {
+            return Ok(i.clone());
+        }
+        let info = self
+            .client()
+            .info(InfoRequest {})
+            .await
+            .map_err(|s| unavailable(&self.addr, &s))?
+            .into_inner();
+        *cached = Some(info.clone());
+        Ok(info)
+    }
+}
+
+/// Map a failed call to a verify node to the status the client should see: the node's own
+/// refusals keep their code; everything else means the node is not reachable.
+pub fn unavailable(addr: &str, s: &Status) -> Status {
+    use tonic::Code::*;
+    match s.code() {
+        InvalidArgument | ResourceExhausted | FailedPrecondition | Internal => {
+            Status::new(s.code(), format!("verify node {addr}: {}", s.message()))
+        }
+        _ => Status::unavailable(format!(
+            "verify node {addr} is unavailable ({:?}: {}); check that verify-service runs there",
+            s.code(),
+            s.message()
+        )),
+    }
+}
+
+/// The configured verify nodes.
+pub struct NodePool {
+    nodes: Vec<Arc<VerifyNode>>,
+    next: AtomicUsize,
+}
+
+impl NodePool {
+    pub fn new(addrs: &[String], connect_timeout: Duration) -> Result<Self, String> {
+        if addrs.is_empty() {
+            return Err("no verify nodes configured: pass --verify URL[,URL...]".into());
+        }
+        let nodes = addrs
+            .iter()
+            .map(|a| VerifyNode::new(a, connect_timeout).map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            nodes,
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// Nodes ordered by preference for a new session: fewest sessions opened from here first,
+    /// ties rotated so load spreads.
+    pub fn candidates(&self) -> Vec<Arc<VerifyNode>> {
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        let n = self.nodes.len();
+        let mut order: Vec<Arc<VerifyNode>> = (0..n)
+            .map(|i| self.nodes[(start + i) % n].clone())
+            .collect();
+        order.sort_by_key(|node| node.active.load(Ordering::Relaxed));
+        order
+    }
+
+    pub fn nodes(&self) -> &[Arc<VerifyNode>] {
+        &self.nodes
+    }
+}

@@ -1,0 +1,169 @@
+//! The model engine: a llama-family decoder (Llama, Qwen2) that can verify a token tree.
+//!
+//! Why not candle-transformers' stock models: they assume one causal chain (consecutive
+//! positions, a fixed triangular mask), return only the last token's logits and keep a KV cache
+//! that can only grow. Tree speculative decoding needs the opposite on every point:
+//!
+//! - **tree attention**: a batch of new tokens (tree nodes in BFS order) gets arbitrary position
+//!   ids (`prefix_len + depth`) and an explicit mask (the committed prefix plus the node's own
+//!   ancestors), see [`Model::forward_tree`];
+//! - **logits for every node** (or chosen rows, [`Model::forward_tree_rows`]): the verifier needs
+//!   the target distribution wherever the accepted path may stop;
+//! - **a KV cache that rolls back**: after verification only the accepted path survives
+//!   ([`KvCache::keep_newest`]); a failed step is undone with [`KvCache::truncate`].
+//!
+//! Layout:
+//! - [`model`]: the decoder itself (plain structs that mirror the math, one `forward` per block,
+//!   in the style of candle-transformers' `quantized_qwen2.rs`);
+//! - [`cache`]: the per-session KV cache (grown in chunks up to the context limit, written in
+//!   place, narrowed to the live length for attention: no copy of the whole cache per step);
+//! - `weights`: GGUF (quantized) and Hugging Face safetensors loading;
+//! - `qmatmul`: the CPU matrix multiply against quantized weights (candle's own kernel reads
+//!   the whole weight matrix once per input row, which makes a 16-node tree cost 16 decodes);
+//! - [`testing`]: tiny random-weight models for tests, including "draft-like" perturbed copies.
+//!
+//! Threads: candle's CPU backend runs on rayon's global pool. [`LoadOptions::threads`] sizes that
+//! pool once per process (see [`init_threads`]); later calls with a different count only warn.
+
+pub mod cache;
+pub mod model;
+mod qmatmul;
+pub mod testing;
+mod weights;
+
+use std::sync::OnceLock;
+
+pub use cache::KvCache;
+pub use model::{Model, ModelInfo};
+
+/// Everything that can go wrong in the engine. Inputs that come from the network (tokens, trees,
+/// compaction indices) are checked and reported here; the engine never panics on them.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The KV cache cannot hold the tokens of this call.
+    #[error("context full: {needed} tokens needed, the limit is {limit}")]
+    ContextFull { needed: usize, limit: usize },
+    /// The model files could not be read or are inconsistent.
+    #[error("cannot load model: {0}")]
+    Load(String),
+    /// A valid model of a kind this engine does not implement.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    /// Bad arguments to a forward or cache call (token out of vocabulary, tree/token count
+    /// mismatch, compaction indices out of range, a cache from another model).
+    #[error("invalid input: {0}")]
+    InvalidInput(String),
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// How to load a model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Size of rayon's global thread pool (used by candle's CPU kernels and ours). `None` keeps
+    /// rayon's default (`RAYON_NUM_THREADS` or the number of cores). Applied once per process.
+    pub threads: Option<usize>,
+    /// Put the model on the first CUDA device (needs the `cuda` cargo feature).
+    pub cuda: bool,
+    /// Longest sequence a KV cache may hold (prompt + generated + tree nodes). Clamped to the
+    /// model's trained context length.
+    pub max_context: usize,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            threads: None,
+            cuda: false,
+            max_context: 4096,
+        }
+    }
+}
+
+/// The candle device for `cuda` (first GPU) or the CPU.
+pub fn device(cuda: bool) -> Result<candle_core::Device, EngineError> {
+    if !cuda {
+        return Ok(candle_core::Device::Cpu);
+    }
+    if !candle_core::utils::cuda_is_available() {
+        return Err(EngineError::Unsupported(
+            "CUDA requested but this binary was built without the `cuda` feature".into(),
+        ));
+    }
+    Ok(candle_core::Device::new_cuda(0)?)
+}
+
+static THREADS: OnceLock<usize> = OnceLock::new();
+
+/// Size rayon's global pool to `threads` (once per process) and return the pool size in effect.
+///
+/// candle's CPU kernels and this engine's quantized matmul run on rayon's global pool, which can
+/// only be configured before its first use. The first call wins; a later call asking for a
+/// different count logs a warning and changes nothing. candle's dense matmul (gemm) reads its
+/// thread count from `RAYON_NUM_THREADS`, so set that variable too when you need an exact count
+/// for dense (safetensors) models.
+pub fn init_threads(threads: usize) -> usize {
+    let threads = threads.max(1);
+    let got = *THREADS.get_or_init(|| {
+        match rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build_global()
+        {
+            Ok(()) => threads,
+            // Someone else (candle, a test harness) already started the global pool.
+            Err(_) => rayon::current_num_threads(),
+        }
+    });
+    if got != threads {
+        tracing::warn!(
+            requested = threads,
+            in_effect = got,
+            "rayon's global pool was already sized; keeping it"
+        );
+    }
+    got
+}
+
+/// Threads in the pool the engine's CPU kernels run on.
+pub fn current_threads() -> usize {
+    rayon::current_num_threads()
+}
+
+/// Logits for a batch of rows (tree nodes), row-major `rows × vocab`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Logits {
+    rows: usize,
+    vocab: usize,
+    data: Vec<f32>,
+}
+
+impl Logits {
+    pub(crate) fn new(rows: usize, vocab: usize, data: Vec<f32>) -> Self {
+        debug_assert_eq!(rows * vocab, data.len());
+        Self { rows, vocab, data }
+    }
+
+    /// Logits of row `i` (panics if `i >= rows()`, like slice indexing).
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// All rows, row-major.
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    pub fn into_vec(self) -> Vec<f32> {
+        self.data
+    }
+}

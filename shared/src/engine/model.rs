@@ -1,0 +1,640 @@
+//! The llama-family decoder (Llama 2/3, SmolLM2, TinyLlama, Qwen2) with tree attention.
+//!
+//! Qwen2 is Llama plus biases on the Q, K and V projections (and usually tied embeddings); both
+//! are one code path: a bias is applied when the weights have one. The structs mirror the math:
+//!
+//! ```text
+//! x = embed(tokens)
+//! for each block:  x = x + Wo·attn(rope(Wq·n(x)+bq), rope(Wk·n(x)+bk), Wv·n(x)+bv, mask)
+//!                  x = x + Wdown·(silu(Wgate·n(x)) ⊙ Wup·n(x))          n = RMSNorm
+//! logits = Wout · n(x)
+//! ```
+//!
+//! The only departure from a stock decoder is the batch: `n` new tokens get arbitrary positions
+//! (`prefix + depth` for tree nodes) and an additive mask over `[cache prefix | new tokens]`
+//! built from the tree's ancestor relation. A single token (decode) needs no mask at all. Grouped
+//! query attention folds the query heads of a group into the row dimension, so K and V are never
+//! repeated per head.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Module, Tensor};
+use serde::Serialize;
+
+use super::cache::KvCache;
+use super::qmatmul::{QKernel, QMatMulOp};
+use super::weights::{rope_inv_freqs, HParams, Loader, W};
+use super::{init_threads, EngineError, LoadOptions, Logits};
+use crate::tree::Tree;
+
+/// Longest chunk of a sequential prefill in one forward (bounds the attention score matrix).
+const PREFILL_CHUNK: usize = 512;
+
+/// What a loaded model is.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelInfo {
+    /// `general.name` (GGUF), `_name_or_path` (HF) or the file name.
+    pub name: String,
+    /// "llama" or "qwen2".
+    pub architecture: String,
+    pub vocab_size: usize,
+    /// Context limit of this engine instance (the cache capacity).
+    pub max_context: usize,
+    /// Context length the model was trained for.
+    pub trained_context: usize,
+    pub n_layers: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    /// Weight type of the bulk of the matrices ("Q4K", "Q4_1", "F32", ...).
+    pub weights: String,
+    /// "cpu" or "cuda".
+    pub device: String,
+}
+
+/// A projection `y = x · Wᵀ`.
+#[derive(Debug, Clone)]
+pub(crate) enum Linear {
+    /// Quantized weights on the CPU, multiplied by our row-batched kernel.
+    CpuQuant(Arc<dyn QKernel>),
+    /// Quantized weights on a GPU (candle's kernels).
+    Quantized(candle_core::quantized::QMatMul),
+    /// Dense weights `(out, in)` in the compute dtype.
+    Dense(Tensor),
+}
+
+impl Linear {
+    /// `x`: `(rows, in)` → `(rows, out)`.
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Linear::CpuQuant(k) => x.apply_op1_no_bwd(&QMatMulOp(k.as_ref())),
+            Linear::Quantized(q) => q.forward(x),
+            Linear::Dense(w) => x.matmul(&w.t()?),
+        }
+    }
+
+    fn out_features(&self) -> candle_core::Result<usize> {
+        Ok(match self {
+            Linear::CpuQuant(k) => k.out_features(),
+            Linear::Quantized(q) => match q {
+                candle_core::quantized::QMatMul::QTensor(t) => t.shape().dims2()?.0,
+                candle_core::quantized::QMatMul::Tensor(t)
+                | candle_core::quantized::QMatMul::TensorF16(t) => t.dims2()?.0,
+            },
+            Linear::Dense(w) => w.dims2()?.0,
+        })
+    }
+}
+
+/// Token embedding lookup.
+#[derive(Debug, Clone)]
+pub(crate) enum Embedding {
+    /// Quantized table on the CPU: only the looked-up rows are expanded.
+    CpuQuant(Arc<dyn QKernel>),
+    /// Dense `(vocab, hidden)` table.
+    Dense(Tensor),
+}
+
+impl Embedding {
+    fn forward(&self, tokens: &[u32], device: &Device) -> candle_core::Result<Tensor> {
+        match self {
+            Embedding::CpuQuant(k) => {
+                let h = k.in_features();
+                let mut out = vec![0f32; tokens.len() * h];
+                for (t, row) in tokens.iter().zip(out.chunks_exact_mut(h)) {
+                    k.dequantize_row(*t as usize, row);
+                }
+                Tensor::from_vec(out, (tokens.len(), h), device)
+            }
+            Embedding::Dense(w) => {
+                let ids = Tensor::new(tokens, device)?;
+                w.index_select(&ids, 0)
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        candle_nn::ops::rms_norm(x, &self.weight, self.eps)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Attention {
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
+    wo: Linear,
+    bq: Option<Tensor>,
+    bk: Option<Tensor>,
+    bv: Option<Tensor>,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Per-forward inputs shared by every layer.
+struct Step<'a> {
+    /// Rotary tables gathered at the new tokens' positions, `(n, head_dim / 2)`.
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    /// Additive `(n, prefix + n)` mask; `None` when every new token sees everything (n = 1).
+    mask: Option<&'a Tensor>,
+    /// Cache entries before the new tokens.
+    prefix: usize,
+}
+
+fn project(lin: &Linear, bias: &Option<Tensor>, x: &Tensor) -> candle_core::Result<Tensor> {
+    let y = lin.forward(x)?;
+    match bias {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+impl Attention {
+    fn forward(
+        &self,
+        x: &Tensor,
+        step: &Step,
+        kv: &mut super::cache::LayerKv,
+    ) -> candle_core::Result<Tensor> {
+        let (n, _) = x.dims2()?;
+        let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let group = h / kvh;
+        let len = step.prefix + n;
+
+        // (1, n, heads, d): the layout rope_thd rotates in place, no transpose needed first.
+        let q = project(&self.wq, &self.bq, x)?.reshape((1, n, h, d))?;
+        let k = project(&self.wk, &self.bk, x)?.reshape((1, n, kvh, d))?;
+        let v = project(&self.wv, &self.bv, x)?.reshape((n, kvh, d))?;
+        let q = candle_nn::rotary_emb::rope_thd(&q, step.cos, step.sin)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k, step.cos, step.sin)?;
+
+        // Append the new keys/values in place, then attend over the live prefix (a view).
+        let k = k.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (kvh, n, d)
+        let v = v.transpose(0, 1)?.contiguous()?;
+        kv.k.slice_set(&k, 1, step.prefix)?;
+        kv.v.slice_set(&v, 1, step.prefix)?;
+        let keys = kv.k.narrow(1, 0, len)?; // (kvh, len, d)
+        let values = kv.v.narrow(1, 0, len)?;
+
+        // Query heads of one KV group become rows: (kvh, group * n, d).
+        let q = (q.squeeze(0)?.transpose(0, 1)? * (1.0 / (d as f64).sqrt()))?.reshape((
+            kvh,
+            group * n,
+            d,
+        ))?;
+        let scores = q.matmul(&keys.t()?)?; // (kvh, group * n, len)
+        let scores = match step.mask {
+            Some(mask) => scores
+                .reshape((kvh, group, n, len))?
+                .broadcast_add(mask)?
+                .reshape((kvh, group * n, len))?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let out = probs.matmul(&values)?; // (kvh, group * n, d)
+        let out = out
+            .reshape((h, n, d))?
+            .transpose(0, 1)?
+            .contiguous()?
+            .reshape((n, h * d))?;
+        self.wo.forward(&out)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
+        let u = self.up.forward(x)?;
+        self.down.forward(&(g * u)?)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Block {
+    attn_norm: RmsNorm,
+    attn: Attention,
+    mlp_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// A loaded decoder. Immutable after loading (all per-sequence state lives in a [`KvCache`]),
+/// so one `Arc<Model>` serves every session; it is `Send + Sync`.
+#[derive(Debug)]
+pub struct Model {
+    info: ModelInfo,
+    embed: Embedding,
+    blocks: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    /// `(max_context, head_dim / 2)` rotary tables.
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+    dtype: DType,
+}
+
+impl Model {
+    /// Load a `.gguf` file or a Hugging Face folder (config.json + *.safetensors).
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model, EngineError> {
+        if let Some(t) = opts.threads {
+            init_threads(t);
+        }
+        let device = super::device(opts.cuda)?;
+        let mut ld = Loader::open(path, &device)?;
+        let hp = ld.hp.clone();
+        let max_context = opts.max_context.min(hp.context_length).max(1);
+
+        let norm = |ld: &mut Loader, w: W| -> Result<RmsNorm, EngineError> {
+            Ok(RmsNorm {
+                weight: ld.vector(w)?,
+                eps: hp.rms_eps as f32,
+            })
+        };
+        let bias = |ld: &mut Loader, w: W| -> Result<Option<Tensor>, EngineError> {
+            if ld.has(w) {
+                Ok(Some(ld.vector(w)?))
+            } else {
+                Ok(None)
+            }
+        };
+        let (embed, tied_head) = ld.embedding()?;
+        let mut blocks = Vec::with_capacity(hp.n_layers);
+        for i in 0..hp.n_layers {
+            blocks.push(Block {
+                attn_norm: norm(&mut ld, W::AttnNorm(i))?,
+                attn: Attention {
+                    wq: ld.linear(W::Q(i))?,
+                    wk: ld.linear(W::K(i))?,
+                    wv: ld.linear(W::V(i))?,
+                    wo: ld.linear(W::O(i))?,
+                    bq: bias(&mut ld, W::QBias(i))?,
+                    bk: bias(&mut ld, W::KBias(i))?,
+                    bv: bias(&mut ld, W::VBias(i))?,
+                    n_heads: hp.n_heads,
+                    n_kv_heads: hp.n_kv_heads,
+                    head_dim: hp.head_dim,
+                },
+                mlp_norm: norm(&mut ld, W::FfnNorm(i))?,
+                mlp: Mlp {
+                    gate: ld.linear(W::Gate(i))?,
+                    up: ld.linear(W::Up(i))?,
+                    down: ld.linear(W::Down(i))?,
+                },
+            });
+        }
+        let norm = norm(&mut ld, W::OutputNorm)?;
+        let lm_head = if ld.has(W::Output) {
+            ld.linear(W::Output)?
+        } else {
+            tied_head
+        };
+        let vocab_size = lm_head.out_features()?;
+        let (cos, sin) = rope_tables(&hp, max_context, ld.dtype, &device)?;
+        let info = ModelInfo {
+            name: hp.name.clone(),
+            architecture: hp.arch.as_str().to_string(),
+            vocab_size,
+            max_context,
+            trained_context: hp.context_length,
+            n_layers: hp.n_layers,
+            hidden_size: hp.hidden,
+            intermediate_size: hp.intermediate,
+            n_heads: hp.n_heads,
+            n_kv_heads: hp.n_kv_heads,
+            head_dim: hp.head_dim,
+            weights: hp.weights.clone(),
+            device: if device.is_cpu() { "cpu" } else { "cuda" }.to_string(),
+        };
+        tracing::info!(?info, "model loaded");
+        Ok(Model {
+            info,
+            embed,
+            blocks,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            dtype: ld.dtype,
+            device,
+        })
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// An empty KV cache for this model (allocated lazily, up to `info().max_context`).
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(
+            self.info.n_layers,
+            self.info.n_kv_heads,
+            self.info.head_dim,
+            self.info.max_context,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    /// Forward `tokens` (tree nodes in BFS order, shape from `tree`) after the cache's committed
+    /// prefix: node `i` gets position `cache.len() + tree.depth(i)` and attends to the whole
+    /// prefix plus its tree ancestors and itself. Appends their K/V to the cache. Returns logits
+    /// for every node.
+    pub fn forward_tree(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        tree: &Tree,
+    ) -> Result<Logits, EngineError> {
+        let rows: Vec<usize> = (0..tokens.len()).collect();
+        self.forward_tree_rows(cache, tokens, tree, &rows)
+    }
+
+    /// [`forward_tree`](Self::forward_tree), but computes the LM head only for `rows` (node
+    /// indices, any order, repeats allowed): row `r` of the result is node `rows[r]`. The drafter
+    /// needs logits only at the nodes it expands; the LM head is a large share of a small
+    /// model's cost.
+    pub fn forward_tree_rows(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        tree: &Tree,
+        rows: &[usize],
+    ) -> Result<Logits, EngineError> {
+        let n = tokens.len();
+        if n != tree.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "{n} tokens for a tree of {} nodes",
+                tree.len()
+            )));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            return Err(EngineError::InvalidInput(format!(
+                "logit row {r} out of range 0..{n}"
+            )));
+        }
+        let prefix = cache.len();
+        let positions: Vec<u32> = (0..n).map(|i| (prefix + tree.depth(i)) as u32).collect();
+        let mask = if n > 1 {
+            let len = prefix + n;
+            let mut m = vec![0f32; n * len];
+            for i in 0..n {
+                let row = &mut m[i * len + prefix..(i + 1) * len];
+                for (j, v) in row.iter_mut().enumerate() {
+                    if !tree.attends(i, j) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            Some(m)
+        } else {
+            None
+        };
+        let hidden = self.forward_hidden(cache, tokens, &positions, mask)?;
+        self.logits(&hidden, rows)
+    }
+
+    /// Continue a tree whose first `start` nodes are already the newest `start` cache entries
+    /// (forwarded by earlier calls of the same step): forward nodes `start..tree.len()`, each at
+    /// position `base + depth` (base = cache length before node 0) attending to the committed
+    /// prefix and its tree ancestors. The drafter grows trees this way, one level per call.
+    /// `rows` are absolute node indices (≥ `start`) whose logits are returned, in that order.
+    pub fn forward_tree_extend(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        tree: &Tree,
+        start: usize,
+        rows: &[usize],
+    ) -> Result<Logits, EngineError> {
+        let n = tree.len();
+        if tokens.len() != n || start >= n || start > cache.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "tree extension: {} tokens, {n} nodes, start {start}, cache {}",
+                tokens.len(),
+                cache.len()
+            )));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r < start || r >= n) {
+            return Err(EngineError::InvalidInput(format!(
+                "logit row {r} out of range {start}..{n}"
+            )));
+        }
+        let base = cache.len() - start;
+        let fresh = n - start;
+        let positions: Vec<u32> = (start..n).map(|i| (base + tree.depth(i)) as u32).collect();
+        let mask = if start == 0 && fresh == 1 {
+            None
+        } else {
+            let len = base + n;
+            let mut m = vec![0f32; fresh * len];
+            for (r, i) in (start..n).enumerate() {
+                let row = &mut m[r * len + base..(r + 1) * len];
+                for (j, v) in row.iter_mut().enumerate() {
+                    if !tree.attends(i, j) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            Some(m)
+        };
+        let hidden = self.forward_hidden(cache, &tokens[start..], &positions, mask)?;
+        let local: Vec<usize> = rows.iter().map(|&r| r - start).collect();
+        self.logits(&hidden, &local)
+    }
+
+    /// Plain sequential forward (prefill or decode) of a chain of tokens after the cache's
+    /// prefix; returns the logits of the last token only. Long inputs are processed in chunks.
+    pub fn forward_chain_last(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+    ) -> Result<Vec<f32>, EngineError> {
+        if tokens.is_empty() {
+            return Err(EngineError::InvalidInput("no tokens to forward".into()));
+        }
+        // Fail before doing any work if the whole chain cannot fit.
+        let needed = cache.len() + tokens.len();
+        if needed > cache.capacity() {
+            return Err(EngineError::ContextFull {
+                needed,
+                limit: cache.capacity(),
+            });
+        }
+        let start = cache.len();
+        let mut last = None;
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            match self.forward_chain_chunk(cache, chunk) {
+                Ok(h) => last = Some(h),
+                Err(e) => {
+                    cache.truncate(start);
+                    return Err(e);
+                }
+            }
+        }
+        let hidden = last.expect("at least one chunk");
+        let n = hidden.dim(0)?;
+        Ok(self.logits(&hidden, &[n - 1])?.into_vec())
+    }
+
+    fn forward_chain_chunk(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+    ) -> Result<Tensor, EngineError> {
+        let n = tokens.len();
+        let prefix = cache.len();
+        let positions: Vec<u32> = (prefix..prefix + n).map(|p| p as u32).collect();
+        let mask = if n > 1 {
+            let len = prefix + n;
+            let mut m = vec![0f32; n * len];
+            for i in 0..n {
+                for v in &mut m[i * len + prefix + i + 1..(i + 1) * len] {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+            Some(m)
+        } else {
+            None
+        };
+        self.forward_hidden(cache, tokens, &positions, mask)
+    }
+
+    /// Run the blocks over `tokens` at `positions` with the given additive mask (`n × (prefix +
+    /// n)`, row-major) and return the final-normed hidden states `(n, hidden)`. The cache grows by
+    /// `n` only if everything succeeds.
+    fn forward_hidden(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        positions: &[u32],
+        mask: Option<Vec<f32>>,
+    ) -> Result<Tensor, EngineError> {
+        let n = tokens.len();
+        if n == 0 {
+            return Err(EngineError::InvalidInput("no tokens to forward".into()));
+        }
+        if !cache.fits(self.info.n_layers, self.info.n_kv_heads, self.info.head_dim) {
+            return Err(EngineError::InvalidInput(
+                "KV cache was created by a different model".into(),
+            ));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.info.vocab_size) {
+            return Err(EngineError::InvalidInput(format!(
+                "token id {t} out of vocabulary (size {})",
+                self.info.vocab_size
+            )));
+        }
+        let prefix = cache.len();
+        cache.reserve(prefix + n)?;
+        let dev = &self.device;
+        let pos = Tensor::new(positions, dev)?;
+        let cos = self.cos.index_select(&pos, 0)?;
+        let sin = self.sin.index_select(&pos, 0)?;
+        let mask = match mask {
+            Some(m) => Some(Tensor::from_vec(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?),
+            None => None,
+        };
+        let step = Step {
+            cos: &cos,
+            sin: &sin,
+            mask: mask.as_ref(),
+            prefix,
+        };
+        let mut x = self.embed.forward(tokens, dev)?.to_dtype(self.dtype)?;
+        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+            let a = block
+                .attn
+                .forward(&block.attn_norm.forward(&x)?, &step, kv)?;
+            x = (x + a)?;
+            let m = block.mlp.forward(&block.mlp_norm.forward(&x)?)?;
+            x = (x + m)?;
+        }
+        cache.set_len(prefix + n);
+        Ok(self.norm.forward(&x)?)
+    }
+
+    /// LM head over the chosen rows of the final hidden states.
+    fn logits(&self, hidden: &Tensor, rows: &[usize]) -> Result<Logits, EngineError> {
+        let vocab = self.info.vocab_size;
+        if rows.is_empty() {
+            return Ok(Logits::new(0, vocab, Vec::new()));
+        }
+        let n = hidden.dim(0)?;
+        let selected = if rows.len() == n && rows.iter().enumerate().all(|(i, &r)| i == r) {
+            hidden.clone()
+        } else {
+            let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            hidden.index_select(&Tensor::new(idx.as_slice(), &self.device)?, 0)?
+        };
+        let data = match &self.lm_head {
+            // Straight into the output vector: the logits are the biggest tensor of a step.
+            Linear::CpuQuant(k) => {
+                let x: Vec<f32> = selected.flatten_all()?.to_vec1()?;
+                let mut out = vec![0f32; rows.len() * vocab];
+                k.matmul(rows.len(), &x, &mut out);
+                out
+            }
+            head => head
+                .forward(&selected)?
+                .to_dtype(DType::F32)?
+                .flatten_all()?
+                .to_vec1()?,
+        };
+        Ok(Logits::new(rows.len(), vocab, data))
+    }
+}
+
+/// `cos` and `sin` of `position · θ_i` for every position below `max_context`.
+fn rope_tables(
+    hp: &HParams,
+    max_context: usize,
+    dtype: DType,
+    device: &Device,
+) -> Result<(Tensor, Tensor), EngineError> {
+    let inv = rope_inv_freqs(hp);
+    let half = inv.len();
+    let mut cos = Vec::with_capacity(max_context * half);
+    let mut sin = Vec::with_capacity(max_context * half);
+    for p in 0..max_context {
+        for &f in &inv {
+            // f64 keeps large positions accurate.
+            let a = p as f64 * f as f64;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    let cos = Tensor::from_vec(cos, (max_context, half), device)?.to_dtype(dtype)?;
+    let sin = Tensor::from_vec(sin, (max_context, half), device)?.to_dtype(dtype)?;
+    Ok((cos, sin))
+}
+
+// Sessions share one model across threads.
+const _: () = {
+    const fn is_send_sync<T: Send + Sync>() {}
+    is_send_sync::<Model>();
+    is_send_sync::<KvCache>();
+};

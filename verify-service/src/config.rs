@@ -1,0 +1,47 @@
+//! verify-service settings (defaults < TOML file < `SEQUOIA_*` env < flags); every key is
+//! documented in deploy/config/verify-service.toml.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct VerifyConfig {
+    /// Target model: a .gguf file or a Hugging Face folder.
+    pub model: PathBuf,
+    /// gRPC listen address.
+    pub listen: String,
+    /// Compute threads (0 = all cores).
+    pub threads: usize,
+    /// Run on the GPU (needs a build with the `cuda` feature).
+    pub cuda: bool,
+    /// Per-session context limit in tokens (prompt + generated + one tree).
+    pub max_context: usize,
+    /// Concurrent sessions; more get RESOURCE_EXHAUSTED.
+    pub max_sessions: usize,
+    /// Largest tree accepted per step.
+    pub max_tree_nodes: usize,
+    /// Deepest tree accepted per step (levels, root included).
+    pub max_tree_levels: usize,
+    /// Largest sparse draft distribution accepted per node.
+    pub max_dist_entries: usize,
+    /// Emit JSON log lines.
+    pub log_json: bool,
+}
+
+impl Default for VerifyConfig {
+    fn default() -> Self {
+        Self {
+            model: PathBuf::new(),
+            listen: "0.0.0.0:50052".into(),
+            threads: 0,
+            cuda: false,
+            max_context: 4096,
+            max_sessions: 16,
+            max_tree_nodes: 512,
+            max_tree_levels: 32,
+            max_dist_entries: 1024,
+            log_json: false,
+        }
+    }
+}

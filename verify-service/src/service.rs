@@ -1,0 +1,326 @@
+//! The `sequoia.v1.Verifier` gRPC service: a thin layer that turns messages into calls on
+//! [`VerifySession`](crate::session::VerifySession) and errors into status codes.
+
+use crate::config::VerifyConfig;
+use crate::session::{SessionError, SessionLimits, VerifySession};
+use sequoia_proto::v1::verifier_server::Verifier;
+use sequoia_proto::v1::{
+    session_request, session_response, InfoRequest, InfoResponse, ProfileRequest, ProfileResponse,
+    SessionOpened, SessionRequest, SessionResponse, Verdict as PbVerdict,
+};
+use sequoia_shared::engine::Model;
+use sequoia_shared::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
+use sequoia_shared::sampling::{SamplingParams, SparseDist};
+use sequoia_shared::tokenizer::TextTokenizer;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+use tracing::{info, info_span, warn, Instrument};
+
+/// Everything a verify node shares across sessions.
+pub struct VerifyState {
+    pub model: Arc<Model>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub config: VerifyConfig,
+    pub active: AtomicUsize,
+    /// Set on shutdown: no new sessions.
+    pub draining: AtomicBool,
+    next_session: AtomicUsize,
+}
+
+impl VerifyState {
+    pub fn new(model: Model, tokenizer: TextTokenizer, config: VerifyConfig) -> Self {
+        Self {
+            model: Arc::new(model),
+            tokenizer: Arc::new(tokenizer),
+            config,
+            active: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
+            next_session: AtomicUsize::new(0),
+        }
+    }
+
+    fn limits(&self) -> SessionLimits {
+        SessionLimits {
+            max_context: self.config.max_context,
+            max_tree_nodes: self.config.max_tree_nodes,
+            max_tree_levels: self.config.max_tree_levels,
+            max_dist_entries: self.config.max_dist_entries,
+        }
+    }
+}
+
+/// Holds one of the node's session slots; released on drop (stream end, error or disconnect).
+struct Slot(Arc<VerifyState>);
+
+impl Slot {
+    fn acquire(state: &Arc<VerifyState>) -> Result<Self, Status> {
+        if state.draining.load(Ordering::SeqCst) {
+            return Err(Status::unavailable(
+                "verify node is shutting down; use another node",
+            ));
+        }
+        let max = state.config.max_sessions;
+        let taken = state
+            .active
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            });
+        match taken {
+            Ok(_) => Ok(Slot(state.clone())),
+            Err(n) => Err(Status::resource_exhausted(format!(
+                "verify node is at its session limit ({n} of {max} active); retry later or use another node"
+            ))),
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+#[derive(Clone)]
+pub struct VerifierService {
+    state: Arc<VerifyState>,
+}
+
+impl VerifierService {
+    pub fn new(state: Arc<VerifyState>) -> Self {
+        Self { state }
+    }
+}
+
+fn to_status(e: SessionError) -> Status {
+    match e {
+        SessionError::Invalid(m) => Status::invalid_argument(m),
+        SessionError::Exhausted(m) => Status::resource_exhausted(m),
+        SessionError::Engine(e) => Status::internal(e.to_string()),
+    }
+}
+
+/// Run blocking model work off the async threads.
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("verification task failed: {e}")))
+}
+
+type Tx = mpsc::Sender<Result<SessionResponse, Status>>;
+
+async fn run_session(
+    state: Arc<VerifyState>,
+    mut inbound: Streaming<SessionRequest>,
+    tx: &Tx,
+) -> Result<(), Status> {
+    let Some(first) = inbound.message().await? else {
+        return Ok(());
+    };
+    let Some(session_request::Msg::Open(open)) = first.msg else {
+        return Err(Status::invalid_argument(
+            "the first message of a session must be `open` (prompt tokens, sampling, seed)",
+        ));
+    };
+    let sampling = open.sampling.unwrap_or_default();
+    let params = SamplingParams {
+        temperature: sampling.temperature,
+        top_k: sampling.top_k as usize,
+        top_p: if sampling.top_p <= 0.0 {
+            1.0
+        } else {
+            sampling.top_p
+        },
+    };
+    let (model, limits) = (state.model.clone(), state.limits());
+    let prefix = open.prefix_tokens;
+    let max_new = open.max_new_tokens as usize;
+    let (mut session, prefill_ms) =
+        blocking(move || VerifySession::open(&model, &prefix, params, open.seed, max_new, limits))
+            .await?
+            .map_err(to_status)?;
+    let opened = SessionOpened {
+        context_limit: session.context_limit() as u32,
+        prefill_ms,
+        active_sessions: state.active.load(Ordering::SeqCst) as u32,
+    };
+    if tx
+        .send(Ok(SessionResponse {
+            msg: Some(session_response::Msg::Opened(opened)),
+        }))
+        .await
+        .is_err()
+    {
+        return Ok(()); // client went away
+    }
+    while let Some(msg) = inbound.message().await? {
+        let Some(session_request::Msg::Tree(tree)) = msg.msg else {
+            return Err(Status::invalid_argument(
+                "after `open`, every message must be a `tree`",
+            ));
+        };
+        let dists: Vec<SparseDist> = tree
+            .draft_dists
+            .into_iter()
+            .map(|d| SparseDist {
+                tokens: d.tokens,
+                probs: d.probs,
+            })
+            .collect();
+        let model = state.model.clone();
+        let span = info_span!("verify_step", step = tree.step, nodes = tree.parents.len());
+        let (back, result) = blocking(move || {
+            let _e = span.enter();
+            let r = session.verify(&model, tree.step, &tree.parents, &tree.tokens, &dists);
+            (session, r)
+        })
+        .await?;
+        session = back;
+        let r = result.map_err(to_status)?;
+        let verdict = PbVerdict {
+            step: r.step,
+            accepted_nodes: r.verdict.accepted.iter().map(|&i| i as u32).collect(),
+            next_token: r.verdict.next_token,
+            accepted_ranks: r.verdict.ranks.iter().map(|&i| i as u32).collect(),
+            verify_ms: r.verify_ms,
+        };
+        if tx
+            .send(Ok(SessionResponse {
+                msg: Some(session_response::Msg::Verdict(verdict)),
+            }))
+            .await
+            .is_err()
+        {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl Verifier for VerifierService {
+    type SessionStream = ReceiverStream<Result<SessionResponse, Status>>;
+
+    async fn session(
+        &self,
+        request: Request<Streaming<SessionRequest>>,
+    ) -> Result<Response<Self::SessionStream>, Status> {
+        let slot = Slot::acquire(&self.state)?;
+        let inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel(4);
+        let state = self.state.clone();
+        let id = state.next_session.fetch_add(1, Ordering::Relaxed);
+        tokio::spawn(
+            async move {
+                let _slot = slot;
+                let t0 = Instant::now();
+                match run_session(state, inbound, &tx).await {
+                    Ok(()) => info!(elapsed_ms = t0.elapsed().as_millis() as u64, "session closed"),
+                    Err(status) => {
+                        warn!(code = ?status.code(), message = status.message(), "session ended with error");
+                        let _ = tx.send(Err(status)).await;
+                    }
+                }
+            }
+            .instrument(info_span!("session", id)),
+        );
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+
+    async fn info(&self, _request: Request<InfoRequest>) -> Result<Response<InfoResponse>, Status> {
+        let s = &self.state;
+        let mi = s.model.info();
+        Ok(Response::new(InfoResponse {
+            model_name: mi.name.clone(),
+            architecture: mi.architecture.clone(),
+            vocab_size: mi.vocab_size as u32,
+            tokenizer_fingerprint: s.tokenizer.fingerprint().to_string(),
+            eos_token_ids: s.tokenizer.eos_ids().to_vec(),
+            max_context: s.config.max_context.min(mi.max_context) as u32,
+            active_sessions: s.active.load(Ordering::SeqCst) as u32,
+            max_sessions: s.config.max_sessions as u32,
+            max_tree_nodes: s.config.max_tree_nodes as u32,
+        }))
+    }
+
+    async fn profile(
+        &self,
+        request: Request<ProfileRequest>,
+    ) -> Result<Response<ProfileResponse>, Status> {
+        let req = request.into_inner();
+        let s = &self.state;
+        let max_ctx = s.config.max_context.min(s.model.info().max_context);
+        if req.tree_sizes.is_empty() {
+            return Err(Status::invalid_argument(
+                "tree_sizes: give at least one size, e.g. [1, 2, 4, 8, 16]",
+            ));
+        }
+        if let Some(&n) = req
+            .tree_sizes
+            .iter()
+            .find(|&&n| n == 0 || n as usize > s.config.max_tree_nodes)
+        {
+            return Err(Status::invalid_argument(format!(
+                "tree_sizes: {n} is outside 1..={}",
+                s.config.max_tree_nodes
+            )));
+        }
+        let largest = *req.tree_sizes.iter().max().unwrap() as usize;
+        let ctx = req.context_length as usize;
+        if ctx + largest > max_ctx {
+            return Err(Status::invalid_argument(format!(
+                "context_length: {ctx} + tree size {largest} exceeds the context limit {max_ctx}"
+            )));
+        }
+        let repeats = req.repeats.clamp(1, 20) as usize;
+        let _slot = Slot::acquire(&self.state)?;
+        let model = s.model.clone();
+        let sizes = req.tree_sizes.clone();
+        let times = blocking(move || profile_forward(&model, &sizes, ctx, repeats))
+            .await?
+            .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(ProfileResponse {
+            tree_sizes: req.tree_sizes,
+            forward_ms: times,
+        }))
+    }
+}
+
+/// Median forward time of Sequoia-shaped trees of each size at the given context length.
+pub fn profile_forward(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+) -> Result<Vec<f64>, sequoia_shared::engine::EngineError> {
+    let vocab = model.info().vocab_size as u32;
+    let mut cache = model.new_cache();
+    let filler: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+    if !filler.is_empty() {
+        model.forward_chain_last(&mut cache, &filler)?;
+    }
+    let largest = *sizes.iter().max().unwrap_or(&1) as usize;
+    let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, largest, 16).expect("example vector is valid");
+    let mut out = Vec::with_capacity(sizes.len());
+    for &n in sizes {
+        let tree = dp.tree(n as usize, 16);
+        let tokens: Vec<u32> = (0..tree.len() as u32)
+            .map(|i| (i * 104_729 + 7) % vocab)
+            .collect();
+        let mut times = Vec::with_capacity(repeats);
+        for _ in 0..repeats {
+            let t0 = Instant::now();
+            model.forward_tree(&mut cache, &tokens, &tree)?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            cache.truncate(context);
+        }
+        times.sort_by(f64::total_cmp);
+        out.push(times[times.len() / 2]);
+    }
+    Ok(out)
+}
