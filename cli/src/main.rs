@@ -4,6 +4,8 @@
 //! - `generate-local` / `engine-bench`: the target alone on this machine (the baseline);
 //! - `generate` / `demo`: talk to the services over the `sequoia.v1` gRPC API.
 
+mod client_cmds;
+mod engine_cmds;
 mod tree_cmds;
 
 use anyhow::Result;
@@ -27,6 +29,14 @@ enum Command {
         #[command(subcommand)]
         command: TreeCommand,
     },
+    /// Generate through a draft-service (streams text).
+    Generate(client_cmds::GenerateArgs),
+    /// Start both services on the default models, generate, compare with the target alone.
+    Demo(client_cmds::DemoArgs),
+    /// Plain decoding with the target alone on this machine (the baseline).
+    GenerateLocal(engine_cmds::GenerateLocalArgs),
+    /// Decode speed and tree-forward cost t(n) of a model on this machine.
+    EngineBench(engine_cmds::EngineBenchArgs),
 }
 
 #[derive(Subcommand)]
@@ -44,5 +54,9 @@ fn main() -> Result<()> {
             TreeCommand::Plan(a) => tree_cmds::plan(&a),
             TreeCommand::Bench(a) => tree_cmds::bench(&a),
         },
+        Command::Generate(a) => client_cmds::generate(&a),
+        Command::Demo(a) => client_cmds::demo(&a),
+        Command::GenerateLocal(a) => engine_cmds::generate_local(&a),
+        Command::EngineBench(a) => engine_cmds::engine_bench(&a),
     }
 }

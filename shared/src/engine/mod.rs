@@ -27,6 +27,7 @@
 
 pub mod cache;
 pub mod model;
+mod qkernels;
 mod qmatmul;
 pub mod testing;
 mod weights;

@@ -1,17 +1,18 @@
 //! CPU matrix multiply against GGUF-quantized weights.
 //!
 //! candle's own `QMatMul` on the CPU loops over the input rows outside and the weight rows
-//! inside, so every input row streams the whole (hundreds of MB) weight matrix from memory: a
-//! 16-node tree costs about as much as 16 single-token decodes. Tree verification lives on
-//! batches of 8..128 rows, so this kernel swaps the loops: each weight row is loaded once (into
-//! L1) and dotted with every input row (tiled so a tile of quantized inputs stays in L2). The dot
-//! products themselves are candle's SIMD `vec_dot` kernels (AVX2 on x86-64-v3), with the input
-//! rows quantized once per call to the weight type's dot-product format (Q8_K / Q8_0 / Q8_1),
-//! exactly like ggml.
+//! inside, so every input row streams the whole (hundreds of MB) weight matrix from memory and
+//! re-decodes every block: a 16-node tree costs about as much as 16 single-token decodes. Tree
+//! verification lives on batches of 8..128 rows, so here each task owns a range of weight rows
+//! (output columns) and serves every input row from it while it is in cache.
 //!
-//! The weights are kept as typed block vectors (`Vec<BlockQ4K>`, ...) owned by the kernel, and
-//! the token embedding reuses them: [`QKernel::dequantize_row`] expands only the rows a step
-//! looks up, instead of a full f32 copy of a 150k-token embedding table.
+//! - Q4_K, Q6_K, Q5_0 and Q8_0 (everything in the default Qwen2.5-Coder models) use our
+//!   multi-row AVX2 kernels ([`super::qkernels`]): a block is decoded once for four input rows;
+//! - the other GGML types use candle's per-pair `vec_dot` with the same loop order.
+//!
+//! The weights are kept as typed block vectors owned by the kernel, and the token embedding
+//! reuses them: [`QKernel::dequantize_row`] expands only the rows a step looks up, instead of a
+//! full f32 copy of a 150k-token embedding table.
 
 use std::sync::Arc;
 
@@ -19,6 +20,7 @@ use candle_core::quantized::{k_quants, GgmlDType, GgmlType};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use rayon::prelude::*;
 
+use super::qkernels::{self, OutPtr, QFormat};
 use super::EngineError;
 
 /// A quantized weight matrix `W` of shape `(out_features, in_features)` with `y = x · Wᵀ`.
@@ -50,9 +52,15 @@ fn column_chunk(n: usize) -> usize {
     n.div_ceil(tasks).clamp(16, 512)
 }
 
-/// Input rows per tile: keep a tile of quantized inputs within ~256 KiB (L2).
-fn row_tile(bytes_per_row: usize) -> usize {
-    (256 * 1024 / bytes_per_row.max(1)).clamp(1, 64)
+/// Run `f(columns, out)` over disjoint column ranges of the `m × n` output in parallel.
+fn for_column_chunks(n: usize, m: usize, dst: &mut [f32], f: impl Fn(std::ops::Range<usize>, OutPtr) + Sync) {
+    assert_eq!(dst.len(), m * n, "matmul output size");
+    let chunk = column_chunk(n);
+    let out = OutPtr::new(dst, n);
+    (0..n.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+        let c0 = ci * chunk;
+        f(c0..(c0 + chunk).min(n), out)
+    });
 }
 
 impl<T: GgmlType + 'static> QKernel for QWeight<T> {
@@ -66,8 +74,7 @@ impl<T: GgmlType + 'static> QKernel for QWeight<T> {
 
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {
         let (n, k) = (self.n, self.k);
-        debug_assert_eq!(lhs.len(), m * k);
-        debug_assert_eq!(dst.len(), m * n);
+        assert_eq!(lhs.len(), m * k, "matmul input size");
         let kb = k / T::BLCK_SIZE;
         // Quantize the inputs once into the weight type's dot-product format.
         let mut q = vec![T::VecDotType::zeros(); m * kb];
@@ -75,48 +82,133 @@ impl<T: GgmlType + 'static> QKernel for QWeight<T> {
             .zip(lhs.par_chunks(k))
             .for_each(|(qr, xr)| T::VecDotType::from_float(xr, qr));
         let w = &self.blocks;
-        let chunk = column_chunk(n);
-        if m == 1 {
-            dst.par_chunks_mut(chunk).enumerate().for_each(|(ci, out)| {
-                let c0 = ci * chunk;
-                for (j, o) in out.iter_mut().enumerate() {
-                    let c = c0 + j;
-                    *o = T::vec_dot(k, &w[c * kb..(c + 1) * kb], &q);
+        for_column_chunks(n, m, dst, |cols, out| {
+            for c in cols {
+                let wc = &w[c * kb..(c + 1) * kb];
+                for r in 0..m {
+                    let v = T::vec_dot(k, wc, &q[r * kb..(r + 1) * kb]);
+                    // SAFETY: `for_column_chunks` hands each task its own columns of a live
+                    // `m × n` output.
+                    unsafe { out.store(r, c, &[v]) };
                 }
-            });
-            return;
-        }
-        // Column-major scratch (`tmp[c * m + r]`) so each task owns a contiguous slice.
-        let tile = row_tile(kb * std::mem::size_of::<T::VecDotType>());
-        let mut tmp = vec![0f32; n * m];
-        tmp.par_chunks_mut(chunk * m)
-            .enumerate()
-            .for_each(|(ci, out)| {
-                let c0 = ci * chunk;
-                let cols = out.len() / m;
-                for r0 in (0..m).step_by(tile) {
-                    let r1 = (r0 + tile).min(m);
-                    for j in 0..cols {
-                        let c = c0 + j;
-                        let wc = &w[c * kb..(c + 1) * kb];
-                        let o = &mut out[j * m..(j + 1) * m];
-                        for r in r0..r1 {
-                            o[r] = T::vec_dot(k, wc, &q[r * kb..(r + 1) * kb]);
-                        }
-                    }
-                }
-            });
-        for (c, col) in tmp.chunks_exact(m).enumerate() {
-            for (r, v) in col.iter().enumerate() {
-                dst[r * n + c] = *v;
             }
-        }
+        });
     }
 
     fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
         let kb = self.k / T::BLCK_SIZE;
         T::to_float(&self.blocks[row * kb..(row + 1) * kb], dst);
     }
+}
+
+/// One quantized matrix in a format with our own multi-row kernels.
+struct FastQ<F: QFormat> {
+    blocks: Vec<F>,
+    n: usize,
+    k: usize,
+}
+
+impl<F: QFormat> std::fmt::Debug for FastQ<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "FastQ<{}>({} x {})", F::NAME, self.n, self.k)
+    }
+}
+
+impl<F: QFormat> QKernel for FastQ<F> {
+    fn out_features(&self) -> usize {
+        self.n
+    }
+
+    fn in_features(&self) -> usize {
+        self.k
+    }
+
+    fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {
+        let (n, k) = (self.n, self.k);
+        assert_eq!(lhs.len(), m * k, "matmul input size");
+        let kb = k / F::BLOCK;
+        let mut acts = vec![F::act_zero(); m * kb];
+        if m >= 4 {
+            acts.par_chunks_mut(kb)
+                .zip(lhs.par_chunks(k))
+                .for_each(|(a, x)| F::quantize_act(x, a));
+        } else {
+            for (a, x) in acts.chunks_mut(kb).zip(lhs.chunks(k)) {
+                F::quantize_act(x, a);
+            }
+        }
+        let w = &self.blocks;
+        let avx2 = qkernels::has_avx2();
+        for_column_chunks(n, m, dst, |cols, out| {
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: `has_avx2` checked the CPU features; `for_column_chunks` gives each
+                // task its own columns of a live `m × n` output.
+                unsafe { qkernels::columns_avx2(w, kb, cols, &acts, m, out) };
+                return;
+            }
+            let _ = avx2;
+            // SAFETY: as above.
+            unsafe { qkernels::columns_scalar(w, kb, cols, &acts, m, out) };
+        });
+    }
+
+    fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
+        let kb = self.k / F::BLOCK;
+        F::dequantize(&self.blocks[row * kb..(row + 1) * kb], dst);
+    }
+}
+
+/// Plain-old-data block types: `#[repr(C)]` aggregates of integers, `f16` and `f32` without
+/// padding, for which every bit pattern is a valid value.
+///
+/// # Safety
+/// Only implement for such types.
+unsafe trait Pod: Copy {}
+// SAFETY: all four are `#[repr(C)]` integer aggregates without padding (sizes asserted in
+// `qkernels`).
+unsafe impl Pod for qkernels::BlockQ4K {}
+unsafe impl Pod for qkernels::BlockQ6K {}
+unsafe impl Pod for qkernels::BlockQ5_0 {}
+unsafe impl Pod for qkernels::BlockQ8_0 {}
+
+fn pod_from_bytes<T: Pod>(bytes: &[u8]) -> Result<Vec<T>, EngineError> {
+    let size = std::mem::size_of::<T>();
+    if bytes.len() % size != 0 {
+        return Err(EngineError::Load(format!(
+            "{} bytes is not a whole number of {size}-byte blocks",
+            bytes.len()
+        )));
+    }
+    let count = bytes.len() / size;
+    let mut v: Vec<T> = Vec::with_capacity(count);
+    // SAFETY: `T: Pod` accepts any bit pattern; the vector has room for exactly `bytes.len()`
+    // bytes, which are all initialized by the copy before `set_len`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, bytes.len());
+        v.set_len(count);
+    }
+    Ok(v)
+}
+
+fn fast<F: QFormat + Pod>(n: usize, k: usize, bytes: &[u8]) -> Result<Arc<dyn QKernel>, EngineError> {
+    if k % F::BLOCK != 0 {
+        return Err(EngineError::Load(format!(
+            "{} matrix with {k} columns: not a multiple of the block size {}",
+            F::NAME,
+            F::BLOCK
+        )));
+    }
+    let blocks = pod_from_bytes::<F>(bytes)?;
+    if blocks.len() != n * (k / F::BLOCK) {
+        return Err(EngineError::Load(format!(
+            "{} matrix {n} x {k}: expected {} blocks, found {}",
+            F::NAME,
+            n * (k / F::BLOCK),
+            blocks.len()
+        )));
+    }
+    Ok(Arc::new(FastQ { blocks, n, k }))
 }
 
 /// Copy raw GGUF block bytes into a typed block vector.
@@ -181,15 +273,15 @@ pub(crate) fn kernel_from_bytes(
     match dtype {
         GgmlDType::Q4_0 => typed::<BlockQ4_0>(n, k, bytes),
         GgmlDType::Q4_1 => typed::<BlockQ4_1>(n, k, bytes),
-        GgmlDType::Q5_0 => typed::<BlockQ5_0>(n, k, bytes),
+        GgmlDType::Q5_0 => fast::<qkernels::BlockQ5_0>(n, k, bytes),
         GgmlDType::Q5_1 => typed::<BlockQ5_1>(n, k, bytes),
-        GgmlDType::Q8_0 => typed::<BlockQ8_0>(n, k, bytes),
+        GgmlDType::Q8_0 => fast::<qkernels::BlockQ8_0>(n, k, bytes),
         GgmlDType::Q8_1 => typed::<BlockQ8_1>(n, k, bytes),
         GgmlDType::Q2K => typed::<BlockQ2K>(n, k, bytes),
         GgmlDType::Q3K => typed::<BlockQ3K>(n, k, bytes),
-        GgmlDType::Q4K => typed::<BlockQ4K>(n, k, bytes),
+        GgmlDType::Q4K => fast::<qkernels::BlockQ4K>(n, k, bytes),
         GgmlDType::Q5K => typed::<BlockQ5K>(n, k, bytes),
-        GgmlDType::Q6K => typed::<BlockQ6K>(n, k, bytes),
+        GgmlDType::Q6K => fast::<qkernels::BlockQ6K>(n, k, bytes),
         GgmlDType::Q8K => typed::<BlockQ8K>(n, k, bytes),
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => Err(EngineError::Load(format!(
             "{dtype:?} is not a block-quantized type"

@@ -35,7 +35,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use super::{SpecialInfo, TokenizerError};
+use super::{Merges, SpecialInfo, TokenizerError};
 
 /// Qwen2's split: like Llama 3's but every digit is its own piece.
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -129,7 +129,7 @@ pub(super) struct ByteLevelSpec<'a> {
     /// GGUF token types per id (1 normal, 3 control, 4 user-defined, ...); `None`: all normal.
     pub token_types: Option<&'a [i32]>,
     /// Merges in rank order.
-    pub merges: Vec<(String, String)>,
+    pub merges: Merges,
     pub rule: SplitRule,
     /// Prepend this BOS token (text, id) when encoding with special tokens.
     pub add_bos: Option<(String, u32)>,
@@ -137,9 +137,7 @@ pub(super) struct ByteLevelSpec<'a> {
 
 /// Build a byte-level BPE tokenizer (also used by [`super::testing`]); also returns the merges
 /// as the model has them (spelling fixed like the vocabulary), for the fingerprint.
-pub(super) fn build_byte_level(
-    spec: ByteLevelSpec<'_>,
-) -> Result<(Tokenizer, Vec<(String, String)>), String> {
+pub(super) fn build_byte_level(spec: ByteLevelSpec<'_>) -> Result<(Tokenizer, Merges), String> {
     let alphabet = byte_alphabet();
     let in_alphabet = |s: &str| s.chars().all(|c| alphabet.contains(&c));
     let respell = |s: &str| s.bytes().map(|b| alphabet[b as usize]).collect::<String>();
@@ -356,7 +354,7 @@ pub(super) fn special_info(
 pub(super) fn build(
     path: &Path,
     md: &HashMap<String, Value>,
-) -> Result<(Tokenizer, SpecialInfo, Vec<(String, String)>), TokenizerError> {
+) -> Result<(Tokenizer, SpecialInfo, Merges), TokenizerError> {
     let model = get_str(md, "tokenizer.ggml.model").ok_or_else(|| {
         TokenizerError::invalid(
             path,

@@ -164,8 +164,8 @@ struct SpecialInfo {
     eos_ids: Vec<u32>,
     /// Jinja chat template source.
     chat_template: Option<String>,
-    /// Whether the source asks for BOS to be prepended (`add_bos_token`); the GGUF builder
-    /// installs a post-processor for it (a tokenizer.json has its own).
+    /// Whether the GGUF asks for BOS to be prepended (`add_bos_token`): the GGUF builder then
+    /// installs a post-processor for it. (A tokenizer.json has its own post-processor.)
     add_bos: bool,
 }
 
@@ -201,7 +201,7 @@ impl TextTokenizer {
     /// Load a Hugging Face `tokenizer.json`.
     ///
     /// Sibling files in the same folder are used when present: `tokenizer_config.json`
-    /// (`chat_template`, `eos_token`, `bos_token`, `add_bos_token`), `chat_template.jinja` /
+    /// (`chat_template`, `eos_token`, `bos_token`), `chat_template.jinja` /
     /// `chat_template.json`, `generation_config.json` and `config.json` (`eos_token_id`).
     pub fn from_tokenizer_json(path: &Path) -> Result<Self, TokenizerError> {
         let (inner, merges) = load_tokenizer_json(path)?;
@@ -593,10 +593,6 @@ mod hf {
                 info.eos_ids.push(eos);
             }
             info.bos_id = token_content(cfg.get("bos_token")).and_then(|t| tok.token_to_id(t));
-            info.add_bos = cfg
-                .get("add_bos_token")
-                .and_then(Value::as_bool)
-                .unwrap_or(false);
             info.chat_template = template_from_config(cfg.get("chat_template"));
         }
         for cfg in [&generation, &model_config].into_iter().flatten() {
@@ -649,6 +645,13 @@ mod tests {
             .collect();
         deltas.push(dec.flush().unwrap());
         (deltas.concat(), deltas)
+    }
+
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn assert_send_sync<T: Send + Sync>() {}
+        assert_send_sync::<TextTokenizer>();
+        assert_send_sync::<IncrementalDecoder<'static>>();
     }
 
     #[test]

@@ -1,0 +1,385 @@
+//! `sequoia generate` (a client of draft-service's Generation API) and `sequoia demo` (both
+//! services on this machine, one generation through them, and the target alone for comparison).
+
+use anyhow::{bail, Context, Result};
+use sequoia_proto::v1::generation_client::GenerationClient;
+use sequoia_proto::v1::{GenerateRequest, GenerateSummary};
+use sequoia_shared::engine::{LoadOptions, Model};
+use sequoia_shared::models;
+use sequoia_shared::sampling::{argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM};
+use sequoia_shared::tokenizer::{ChatMessage, TextTokenizer};
+use serde::Serialize;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// draft-service address, e.g. http://127.0.0.1:50051.
+    #[arg(long, default_value = "http://127.0.0.1:50051")]
+    pub addr: String,
+    #[arg(long)]
+    pub prompt: String,
+    /// Send the prompt raw instead of as a chat message.
+    #[arg(long)]
+    pub raw: bool,
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: u32,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus mass (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop strings (repeatable).
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Print one JSON object at the end instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct GenerateReport {
+    text: String,
+    tokens: Vec<u32>,
+    steps: u32,
+    mean_tokens_per_step: f64,
+    tokens_per_second: f64,
+    finish_reason: String,
+    summary: Option<GenerateSummary>,
+}
+
+fn request_of(args: &GenerateArgs) -> GenerateRequest {
+    let mut req = GenerateRequest {
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_p: args.top_p,
+        top_k: args.top_k,
+        seed: args.seed,
+        stop: args.stop.clone(),
+        ..Default::default()
+    };
+    if args.raw {
+        req.prompt = args.prompt.clone();
+    } else {
+        req.messages = vec![sequoia_proto::v1::ChatMessage {
+            role: "user".into(),
+            content: args.prompt.clone(),
+        }];
+    }
+    req
+}
+
+/// Stream one generation; text goes to stdout as it arrives unless `quiet`.
+async fn run_generate(addr: &str, req: GenerateRequest, quiet: bool) -> Result<GenerateReport> {
+    let mut client = GenerationClient::connect(addr.to_string())
+        .await
+        .with_context(|| format!("cannot connect to draft-service at {addr}"))?;
+    let mut stream = client
+        .generate(req)
+        .await
+        .map_err(|s| anyhow::anyhow!("Generate failed ({:?}): {}", s.code(), s.message()))?
+        .into_inner();
+    let mut report = GenerateReport {
+        text: String::new(),
+        tokens: vec![],
+        steps: 0,
+        mean_tokens_per_step: 0.0,
+        tokens_per_second: 0.0,
+        finish_reason: String::new(),
+        summary: None,
+    };
+    let mut out = std::io::stdout().lock();
+    loop {
+        let chunk = match stream.message().await {
+            Ok(Some(c)) => c,
+            Ok(None) => break,
+            Err(s) => bail!("generation failed ({:?}): {}", s.code(), s.message()),
+        };
+        if !quiet {
+            write!(out, "{}", chunk.text)?;
+            out.flush()?;
+        }
+        report.text.push_str(&chunk.text);
+        report.tokens.extend(&chunk.token_ids);
+        if let Some(s) = chunk.summary {
+            report.steps = s.steps;
+            report.mean_tokens_per_step = s.mean_tokens_per_step;
+            report.tokens_per_second = s.timings.as_ref().map_or(0.0, |t| t.tokens_per_second);
+            report.finish_reason = s.finish_reason.clone();
+            report.summary = Some(s);
+        }
+    }
+    if !quiet {
+        writeln!(out)?;
+    }
+    Ok(report)
+}
+
+pub fn generate(args: &GenerateArgs) -> Result<()> {
+    let rt = tokio::runtime::Runtime::new()?;
+    let report = rt.block_on(run_generate(&args.addr, request_of(args), args.json))?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        eprintln!(
+            "[{} tokens in {} steps, {:.2} tokens/step, {:.2} tokens/s, finish: {}]",
+            report.tokens.len(),
+            report.steps,
+            report.mean_tokens_per_step,
+            report.tokens_per_second,
+            report.finish_reason
+        );
+    }
+    Ok(())
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct DemoArgs {
+    #[arg(
+        long,
+        default_value = "Write a Python function that checks whether a number is prime, with a short docstring."
+    )]
+    pub prompt: String,
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: u32,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Draft model (path or default name).
+    #[arg(long, default_value = models::QWEN_CODER_0_5B)]
+    pub draft: String,
+    /// Target model (path or default name).
+    #[arg(long, default_value = models::QWEN_CODER_1_5B)]
+    pub target: String,
+    /// Tree node budget for the draft service.
+    #[arg(long, default_value_t = 6)]
+    pub nodes: usize,
+    /// Skip the target-only comparison run.
+    #[arg(long)]
+    pub no_baseline: bool,
+}
+
+fn resolve(arg: &str) -> Result<PathBuf> {
+    let p = PathBuf::from(arg);
+    if p.exists() {
+        return Ok(p);
+    }
+    models::ensure_model(arg).with_context(|| format!("model {arg:?} is neither a file nor a default model name"))
+}
+
+/// A child service process, killed if still running when dropped.
+struct Service {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Service {
+    fn spawn(name: &'static str, args: &[String], env: &[(&str, String)], logs: &Path) -> Result<Self> {
+        let bin = sibling_binary(name)?;
+        let log = logs.join(format!("{name}.log"));
+        let file = std::fs::File::create(&log)?;
+        let child = Command::new(&bin)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .stdout(file.try_clone()?)
+            .stderr(file)
+            .stdin(Stdio::null())
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        Ok(Self { name, child, log })
+    }
+
+    fn check_alive(&mut self) -> Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(15).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            bail!("{} exited ({status}); last log lines:\n{}", self.name, tail.join("\n"));
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then wait up to 10 s, then kill.
+    fn stop(&mut self) {
+        #[cfg(unix)]
+        {
+            let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(10) {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            self.stop();
+        }
+    }
+}
+
+/// The service binaries live next to `sequoia` (same cargo target directory).
+fn sibling_binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let bin = exe.with_file_name(name);
+    if !bin.exists() {
+        bail!(
+            "{} not found next to {}; build the workspace first: cargo build --release --workspace",
+            name,
+            exe.display()
+        );
+    }
+    Ok(bin)
+}
+
+fn free_port() -> Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Wait until the service answers a gRPC health check.
+async fn wait_ready(svc: &mut Service, url: &str, timeout: Duration) -> Result<()> {
+    let t0 = Instant::now();
+    loop {
+        svc.check_alive()?;
+        if let Ok(channel) = tonic::transport::Endpoint::from_shared(url.to_string())?.connect().await {
+            let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+            let req = tonic_health::pb::HealthCheckRequest { service: String::new() };
+            if let Ok(r) = health.check(req).await {
+                if r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32 {
+                    return Ok(());
+                }
+            }
+        }
+        if t0.elapsed() > timeout {
+            bail!("{} did not become ready within {timeout:?}; see {}", svc.name, svc.log.display());
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Target-only decoding in this process: the baseline the demo compares against. Returns the
+/// tokens (EOS excluded) and the decode seconds after the prompt's prefill.
+fn target_alone(path: &Path, prompt_text: &str, max_tokens: usize, params: &SamplingParams) -> Result<(Vec<u32>, f64)> {
+    let tok = TextTokenizer::load_for_model(path)?;
+    let model = Model::load(path, &LoadOptions::default())?;
+    let text = tok.apply_chat_template(&[ChatMessage::user(prompt_text.to_string())], true)?;
+    let ids = tok.encode(&text, false)?;
+    let mut cache = model.new_cache();
+    let mut logits = model.forward_chain_last(&mut cache, &ids)?;
+    // Timed from the first token on, like the service pair's tokens_per_second.
+    let t0 = Instant::now();
+    let mut rng = SessionRng::new(0, VERIFY_STREAM);
+    let mut out = Vec::new();
+    while out.len() < max_tokens {
+        let next = if params.is_greedy() {
+            argmax(&logits)
+        } else {
+            sample_dense(&probs_from_logits(&logits, params), &mut rng)
+        };
+        if tok.is_eos(next) {
+            break;
+        }
+        out.push(next);
+        logits = model.forward_chain_last(&mut cache, &[next])?;
+    }
+    Ok((out, t0.elapsed().as_secs_f64()))
+}
+
+pub fn demo(args: &DemoArgs) -> Result<()> {
+    eprintln!("== models");
+    let draft = resolve(&args.draft)?;
+    let target = resolve(&args.target)?;
+    eprintln!("draft  {}\ntarget {}", draft.display(), target.display());
+    let logs = std::env::temp_dir().join(format!("sequoia-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&logs)?;
+    let (vport, dport) = (free_port()?, free_port()?);
+    let verify_url = format!("http://127.0.0.1:{vport}");
+    let draft_url = format!("http://127.0.0.1:{dport}");
+    let rt = tokio::runtime::Runtime::new()?;
+
+    eprintln!("== starting verify-service on {verify_url} and draft-service on {draft_url} (logs in {})", logs.display());
+    let mut verify = Service::spawn(
+        "verify-service",
+        &["--model".into(), target.display().to_string(), "--listen".into(), format!("127.0.0.1:{vport}")],
+        &[],
+        &logs,
+    )?;
+    rt.block_on(wait_ready(&mut verify, &verify_url, Duration::from_secs(300)))?;
+    let mut drafter = Service::spawn(
+        "draft-service",
+        &[
+            "--model".into(),
+            draft.display().to_string(),
+            "--verify".into(),
+            verify_url.clone(),
+            "--listen".into(),
+            format!("127.0.0.1:{dport}"),
+        ],
+        // The tree budget goes through the environment layer of the config.
+        &[("SEQUOIA_TREE__NODES", args.nodes.to_string())],
+        &logs,
+    )?;
+    rt.block_on(wait_ready(&mut drafter, &draft_url, Duration::from_secs(300)))?;
+
+    eprintln!("== generating through the service pair (T = {})\n", args.temperature);
+    let gen_args = GenerateArgs {
+        addr: draft_url.clone(),
+        prompt: args.prompt.clone(),
+        raw: false,
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_p: 1.0,
+        top_k: 0,
+        seed: Some(0),
+        stop: vec![],
+        json: false,
+    };
+    let report = rt.block_on(run_generate(&draft_url, request_of(&gen_args), false))?;
+    drafter.stop();
+    verify.stop();
+    eprintln!(
+        "\n[service pair: {} tokens in {} steps, {:.2} tokens/step, {:.2} tokens/s]",
+        report.tokens.len(),
+        report.steps,
+        report.mean_tokens_per_step,
+        report.tokens_per_second
+    );
+    if args.no_baseline {
+        return Ok(());
+    }
+    eprintln!("== the same prompt decoded by the target alone");
+    let params = SamplingParams { temperature: args.temperature, top_k: 0, top_p: 1.0 };
+    let (tokens, secs) = target_alone(&target, &args.prompt, args.max_tokens as usize, &params)?;
+    let tps = tokens.len() as f64 / secs;
+    eprintln!("[target alone: {} tokens, {:.2} tokens/s]", tokens.len(), tps);
+    if args.temperature == 0.0 {
+        let same = tokens == report.tokens;
+        eprintln!(
+            "greedy outputs {}",
+            if same { "identical".to_string() } else { format!("differ (first difference at token {})", first_diff(&tokens, &report.tokens)) }
+        );
+    }
+    if report.tokens_per_second > 0.0 && tps > 0.0 {
+        eprintln!("speedup of the service pair over the target alone: {:.2}x", report.tokens_per_second / tps);
+    }
+    Ok(())
+}
+
+fn first_diff(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len()))
+}

@@ -1,0 +1,764 @@
+//! Quantized dot-product kernels that serve several input rows per pass over a weight row.
+//!
+//! Why our own: candle's CPU kernels compute one (input row, weight row) dot product at a time,
+//! re-decoding the weight block for every input row, and Q5_0 (the bulk of Qwen2.5-0.5B's
+//! weights) has no SIMD path at all. Tree verification multiplies 8..128 rows by every matrix,
+//! so here one weight block is decoded once (nibbles split, scales expanded) and then dotted with
+//! up to four input rows while it sits in registers; the per-row work is just
+//! `maddubs → madd(scale) → add` per 32 weights. A single row (decode) runs the same code with
+//! `R = 1`, so a token's logits do not depend on how many tree nodes shared its forward pass.
+//!
+//! Formats: the weight blocks are GGML's on-disk layouts (Q4_K, Q6_K, Q5_0, Q8_0), read as is.
+//! Inputs are quantized per call to int8: per 256 values with 16- and 32-value sums
+//! ([`ActK`], for the K-quants) or per 32 values ([`Act32`]). Integer products are exact; each
+//! block's sum is scaled in f32.
+//!
+//! Every format has a portable scalar path with the same math (used when the CPU lacks
+//! AVX2/FMA/F16C, and as the reference in tests).
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+use half::f16;
+
+/// Values per K-quant super-block.
+pub(crate) const QK_K: usize = 256;
+
+/// GGML Q4_K: 8 sub-blocks of 32 4-bit values with 6-bit scales and mins.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockQ4K {
+    d: u16,
+    dmin: u16,
+    scales: [u8; 12],
+    qs: [u8; 128],
+}
+
+/// GGML Q6_K: 16 sub-blocks of 16 6-bit values (low 4 bits in `ql`, high 2 in `qh`), i8 scales.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockQ6K {
+    ql: [u8; 128],
+    qh: [u8; 64],
+    scales: [i8; 16],
+    d: u16,
+}
+
+/// GGML Q5_0: 32 5-bit values (low nibbles in `qs`, fifth bits in `qh`), offset 16.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockQ5_0 {
+    d: u16,
+    qh: [u8; 4],
+    qs: [u8; 16],
+}
+
+/// GGML Q8_0: 32 int8 values and a scale.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockQ8_0 {
+    d: u16,
+    qs: [i8; 32],
+}
+
+const _: () = {
+    assert!(std::mem::size_of::<BlockQ4K>() == 144);
+    assert!(std::mem::size_of::<BlockQ6K>() == 210);
+    assert!(std::mem::size_of::<BlockQ5_0>() == 22);
+    assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+};
+
+/// 256 input values as int8 with one scale, plus the sums the K-quant offsets need.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActK {
+    qs: [i8; 256],
+    bsums16: [i16; 16],
+    bsums32: [i16; 8],
+    d: f32,
+}
+
+/// 32 input values as int8 with one scale; `dsum = d · Σ qs` (for Q5_0's offset).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Act32 {
+    qs: [i8; 32],
+    d: f32,
+    dsum: f32,
+}
+
+#[inline]
+fn f16_to_f32(bits: u16) -> f32 {
+    f16::from_bits(bits).to_f32()
+}
+
+/// Quantize `x` to int8 with a symmetric scale: returns `d` (values ≈ d · q).
+#[inline]
+fn quantize_i8(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    if amax == 0.0 || !amax.is_finite() {
+        q.fill(0);
+        return if amax.is_finite() { 0.0 } else { f32::NAN };
+    }
+    let id = 127.0 / amax;
+    for (o, v) in q.iter_mut().zip(x) {
+        *o = (v * id).round_ties_even() as i8;
+    }
+    amax / 127.0
+}
+
+/// A GGML weight block type with a multi-row kernel.
+pub(crate) trait QFormat: Copy + Send + Sync + std::fmt::Debug + 'static {
+    type Act: Copy + Send + Sync;
+    /// Values per block.
+    const BLOCK: usize;
+    const NAME: &'static str;
+    fn act_zero() -> Self::Act;
+    /// Quantize `x` (`out.len() * BLOCK` values).
+    fn quantize_act(x: &[f32], out: &mut [Self::Act]);
+    /// Expand `w` into `out` (`w.len() * BLOCK` values).
+    fn dequantize(w: &[Self], out: &mut [f32]);
+    /// `R` dot products of weight row `w` with input rows `xs` (portable).
+    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[Self::Act]; R]) -> [f32; R];
+    /// The same, with AVX2. Safety: the CPU must support AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Self::Act]; R]) -> [f32; R];
+}
+
+fn quantize_k(x: &[f32], out: &mut [ActK]) {
+    for (a, x) in out.iter_mut().zip(x.chunks_exact(QK_K)) {
+        a.d = quantize_i8(x, &mut a.qs);
+        for (s, q) in a.bsums16.iter_mut().zip(a.qs.chunks_exact(16)) {
+            *s = q.iter().map(|&v| v as i16).sum();
+        }
+        for i in 0..8 {
+            a.bsums32[i] = a.bsums16[2 * i] + a.bsums16[2 * i + 1];
+        }
+    }
+}
+
+fn quantize_32(x: &[f32], out: &mut [Act32]) {
+    for (a, x) in out.iter_mut().zip(x.chunks_exact(32)) {
+        a.d = quantize_i8(x, &mut a.qs);
+        a.dsum = a.d * a.qs.iter().map(|&v| v as i32).sum::<i32>() as f32;
+    }
+}
+
+/// Q4_K's packed 6-bit (scale, min) for sub-block `j`.
+#[inline]
+fn q4k_scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::*;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn f16x1(bits: u16) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn hsum8(x: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+        hsum4(s)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn hsum4(s: __m128) -> f32 {
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Unaligned 32-byte load.
+    ///
+    /// # Safety
+    /// `p` must point to 32 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn load32<T>(p: *const T) -> __m256i {
+        unsafe { _mm256_loadu_si256(p as *const __m256i) }
+    }
+
+    /// 32 nibbles of 16 bytes: low nibbles then high nibbles.
+    ///
+    /// # Safety
+    /// `p` must point to 16 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn nibbles32(p: *const u8) -> __m256i {
+        let t = unsafe { _mm_loadu_si128(p as *const __m128i) };
+        let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+        _mm256_and_si256(b, _mm256_set1_epi8(0x0F))
+    }
+
+    /// Byte `e` = 0xFF if bit `e` of `bits` is set, else 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn bits32(bits: u32) -> __m256i {
+        let t = _mm256_set1_epi32(bits as i32);
+        let shuf = _mm256_setr_epi64x(
+            0x0000_0000_0000_0000,
+            0x0101_0101_0101_0101,
+            0x0202_0202_0202_0202,
+            0x0303_0303_0303_0303,
+        );
+        let b = _mm256_shuffle_epi8(t, shuf);
+        let mask = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_or_si256(b, mask), _mm256_set1_epi64x(-1))
+    }
+}
+
+impl QFormat for BlockQ4K {
+    type Act = ActK;
+    const BLOCK: usize = QK_K;
+    const NAME: &'static str = "Q4K";
+
+    fn act_zero() -> ActK {
+        ActK {
+            qs: [0; 256],
+            bsums16: [0; 16],
+            bsums32: [0; 8],
+            d: 0.0,
+        }
+    }
+
+    fn quantize_act(x: &[f32], out: &mut [ActK]) {
+        quantize_k(x, out)
+    }
+
+    fn dequantize(w: &[Self], out: &mut [f32]) {
+        for (b, y) in w.iter().zip(out.chunks_exact_mut(QK_K)) {
+            let d = f16_to_f32(b.d);
+            let dmin = f16_to_f32(b.dmin);
+            for j in 0..4 {
+                let (s1, m1) = q4k_scale_min(2 * j, &b.scales);
+                let (s2, m2) = q4k_scale_min(2 * j + 1, &b.scales);
+                let (d1, m1) = (d * s1 as f32, dmin * m1 as f32);
+                let (d2, m2) = (d * s2 as f32, dmin * m2 as f32);
+                for l in 0..32 {
+                    let q = b.qs[32 * j + l];
+                    y[64 * j + l] = d1 * (q & 0xF) as f32 - m1;
+                    y[64 * j + 32 + l] = d2 * (q >> 4) as f32 - m2;
+                }
+            }
+        }
+    }
+
+    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+        let mut out = [0f32; R];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16_to_f32(b.d);
+            let dmin = f16_to_f32(b.dmin);
+            let sm: Vec<(u8, u8)> = (0..8).map(|j| q4k_scale_min(j, &b.scales)).collect();
+            for (o, x) in out.iter_mut().zip(xs) {
+                let a = &x[bi];
+                let (mut sumi, mut summ) = (0i32, 0i32);
+                for j in 0..4 {
+                    let (mut lo, mut hi) = (0i32, 0i32);
+                    for l in 0..32 {
+                        let q = b.qs[32 * j + l];
+                        lo += (q & 0xF) as i32 * a.qs[64 * j + l] as i32;
+                        hi += (q >> 4) as i32 * a.qs[64 * j + 32 + l] as i32;
+                    }
+                    sumi += sm[2 * j].0 as i32 * lo + sm[2 * j + 1].0 as i32 * hi;
+                }
+                for (j, &(_, m)) in sm.iter().enumerate() {
+                    summ += m as i32 * a.bsums32[j] as i32;
+                }
+                *o += d * a.d * sumi as f32 - dmin * a.d * summ as f32;
+            }
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+        use x86::*;
+        let m4 = _mm256_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut accm = [_mm_setzero_ps(); R];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16x1(b.d);
+            let dmin = f16x1(b.dmin);
+            let mut sc = [0u8; 8];
+            let mut mn = [0u8; 8];
+            for j in 0..8 {
+                (sc[j], mn[j]) = q4k_scale_min(j, &b.scales);
+            }
+            let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for j in 0..4 {
+                // SAFETY: qs has 128 bytes; 32 * j + 32 <= 128.
+                let q = unsafe { load32(b.qs.as_ptr().add(32 * j)) };
+                let lo = _mm256_and_si256(q, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+                let s_lo = _mm256_set1_epi16(sc[2 * j] as i16);
+                let s_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
+                for r in 0..R {
+                    let a = &xs[r][bi];
+                    // SAFETY: a.qs has 256 bytes; 64 * j + 64 <= 256.
+                    let (yl, yh) = unsafe {
+                        (
+                            load32(a.qs.as_ptr().add(64 * j)),
+                            load32(a.qs.as_ptr().add(64 * j + 32)),
+                        )
+                    };
+                    let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, yl), s_lo);
+                    let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yh), s_hi);
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                }
+            }
+            for r in 0..R {
+                let a = &xs[r][bi];
+                acc[r] = _mm256_fmadd_ps(
+                    _mm256_set1_ps(d * a.d),
+                    _mm256_cvtepi32_ps(sumi[r]),
+                    acc[r],
+                );
+                // SAFETY: bsums32 is 16 bytes.
+                let bs = unsafe { _mm_loadu_si128(a.bsums32.as_ptr() as *const __m128i) };
+                let pm = _mm_madd_epi16(mins, bs);
+                accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * a.d), _mm_cvtepi32_ps(pm), accm[r]);
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            out[r] = hsum8(acc[r]) - hsum4(accm[r]);
+        }
+        out
+    }
+}
+
+impl QFormat for BlockQ6K {
+    type Act = ActK;
+    const BLOCK: usize = QK_K;
+    const NAME: &'static str = "Q6K";
+
+    fn act_zero() -> ActK {
+        BlockQ4K::act_zero()
+    }
+
+    fn quantize_act(x: &[f32], out: &mut [ActK]) {
+        quantize_k(x, out)
+    }
+
+    fn dequantize(w: &[Self], out: &mut [f32]) {
+        for (b, y) in w.iter().zip(out.chunks_exact_mut(QK_K)) {
+            let d = f16_to_f32(b.d);
+            for h in 0..2 {
+                let ql = &b.ql[64 * h..];
+                let qh = &b.qh[32 * h..];
+                let sc = &b.scales[8 * h..];
+                let y = &mut y[128 * h..];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                    y[l] = d * sc[is] as f32 * q1 as f32;
+                    y[l + 32] = d * sc[is + 2] as f32 * q2 as f32;
+                    y[l + 64] = d * sc[is + 4] as f32 * q3 as f32;
+                    y[l + 96] = d * sc[is + 6] as f32 * q4 as f32;
+                }
+            }
+        }
+    }
+
+    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+        let mut out = [0f32; R];
+        let mut q = [0u8; 256];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16_to_f32(b.d);
+            // Unsigned 6-bit values (offset 32 applied through the input sums).
+            for h in 0..2 {
+                for l in 0..32 {
+                    let (ql0, ql1, qh) = (b.ql[64 * h + l], b.ql[64 * h + 32 + l], b.qh[32 * h + l]);
+                    q[128 * h + l] = (ql0 & 0xF) | ((qh & 3) << 4);
+                    q[128 * h + 32 + l] = (ql1 & 0xF) | (((qh >> 2) & 3) << 4);
+                    q[128 * h + 64 + l] = (ql0 >> 4) | (((qh >> 4) & 3) << 4);
+                    q[128 * h + 96 + l] = (ql1 >> 4) | (((qh >> 6) & 3) << 4);
+                }
+            }
+            for (o, x) in out.iter_mut().zip(xs) {
+                let a = &x[bi];
+                let mut sumi = 0i32;
+                for s in 0..16 {
+                    let dot: i32 = (0..16)
+                        .map(|i| q[16 * s + i] as i32 * a.qs[16 * s + i] as i32)
+                        .sum();
+                    sumi += b.scales[s] as i32 * (dot - 32 * a.bsums16[s] as i32);
+                }
+                *o += d * a.d * sumi as f32;
+            }
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+        use x86::*;
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m3 = _mm256_set1_epi8(0x03);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16x1(b.d);
+            // SAFETY: scales has 16 bytes.
+            let sc8 = unsafe { _mm_loadu_si128(b.scales.as_ptr() as *const __m128i) };
+            let sc16 = _mm256_cvtepi8_epi16(sc8);
+            let mut sumi = [_mm256_setzero_si256(); R];
+            for h in 0..2 {
+                // SAFETY: ql has 128 bytes, qh 64: 64h + 64 <= 128, 32h + 32 <= 64.
+                let (ql0, ql1, qh) = unsafe {
+                    (
+                        load32(b.ql.as_ptr().add(64 * h)),
+                        load32(b.ql.as_ptr().add(64 * h + 32)),
+                        load32(b.qh.as_ptr().add(32 * h)),
+                    )
+                };
+                let hb = |shift: i32| -> __m256i {
+                    let v = match shift {
+                        0 => qh,
+                        2 => _mm256_srli_epi16(qh, 2),
+                        4 => _mm256_srli_epi16(qh, 4),
+                        _ => _mm256_srli_epi16(qh, 6),
+                    };
+                    _mm256_slli_epi16(_mm256_and_si256(v, m3), 4)
+                };
+                let q = [
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(0)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(2)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), hb(4)),
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), hb(6)),
+                ];
+                for (t, qt) in q.iter().enumerate() {
+                    let s = 8 * h + 2 * t;
+                    let scv = _mm256_set_m128i(
+                        _mm_set1_epi16(b.scales[s + 1] as i16),
+                        _mm_set1_epi16(b.scales[s] as i16),
+                    );
+                    for r in 0..R {
+                        let a = &xs[r][bi];
+                        // SAFETY: a.qs has 256 bytes; 128h + 32t + 32 <= 256.
+                        let y = unsafe { load32(a.qs.as_ptr().add(128 * h + 32 * t)) };
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qt, y), scv);
+                        sumi[r] = _mm256_add_epi32(sumi[r], p);
+                    }
+                }
+            }
+            for r in 0..R {
+                let a = &xs[r][bi];
+                // SAFETY: bsums16 has 32 bytes.
+                let bs = unsafe { load32(a.bsums16.as_ptr()) };
+                let off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
+                let s = _mm256_sub_epi32(sumi[r], off);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(s), acc[r]);
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            out[r] = hsum8(acc[r]);
+        }
+        out
+    }
+}
+
+impl QFormat for BlockQ5_0 {
+    type Act = Act32;
+    const BLOCK: usize = 32;
+    const NAME: &'static str = "Q5_0";
+
+    fn act_zero() -> Act32 {
+        Act32 {
+            qs: [0; 32],
+            d: 0.0,
+            dsum: 0.0,
+        }
+    }
+
+    fn quantize_act(x: &[f32], out: &mut [Act32]) {
+        quantize_32(x, out)
+    }
+
+    fn dequantize(w: &[Self], out: &mut [f32]) {
+        for (b, y) in w.iter().zip(out.chunks_exact_mut(32)) {
+            let d = f16_to_f32(b.d);
+            let qh = u32::from_le_bytes(b.qh);
+            for j in 0..16 {
+                let h0 = ((qh >> j) << 4) & 0x10;
+                let h1 = (qh >> (j + 12)) & 0x10;
+                let x0 = ((b.qs[j] as u32 & 0xF) | h0) as i32 - 16;
+                let x1 = ((b.qs[j] as u32 >> 4) | h1) as i32 - 16;
+                y[j] = d * x0 as f32;
+                y[j + 16] = d * x1 as f32;
+            }
+        }
+    }
+
+    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+        let mut out = [0f32; R];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16_to_f32(b.d);
+            let qh = u32::from_le_bytes(b.qh);
+            let mut q = [0u8; 32];
+            for j in 0..16 {
+                q[j] = (b.qs[j] & 0xF) | ((((qh >> j) & 1) as u8) << 4);
+                q[j + 16] = (b.qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+            }
+            for (o, x) in out.iter_mut().zip(xs) {
+                let a = &x[bi];
+                let dot: i32 = q.iter().zip(&a.qs).map(|(&u, &v)| u as i32 * v as i32).sum();
+                *o += d * a.d * dot as f32 - 16.0 * d * a.dsum;
+            }
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+        use x86::*;
+        let ones = _mm256_set1_epi16(1);
+        let fifth = _mm256_set1_epi8(0x10);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut off = [0f32; R];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16x1(b.d);
+            // SAFETY: qs has 16 bytes.
+            let lo = unsafe { nibbles32(b.qs.as_ptr()) };
+            let hi = _mm256_and_si256(bits32(u32::from_le_bytes(b.qh)), fifth);
+            let q = _mm256_or_si256(lo, hi);
+            for r in 0..R {
+                let a = &xs[r][bi];
+                // SAFETY: a.qs has 32 bytes.
+                let y = unsafe { load32(a.qs.as_ptr()) };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[r]);
+                off[r] += d * a.dsum;
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            out[r] = hsum8(acc[r]) - 16.0 * off[r];
+        }
+        out
+    }
+}
+
+impl QFormat for BlockQ8_0 {
+    type Act = Act32;
+    const BLOCK: usize = 32;
+    const NAME: &'static str = "Q8_0";
+
+    fn act_zero() -> Act32 {
+        BlockQ5_0::act_zero()
+    }
+
+    fn quantize_act(x: &[f32], out: &mut [Act32]) {
+        quantize_32(x, out)
+    }
+
+    fn dequantize(w: &[Self], out: &mut [f32]) {
+        for (b, y) in w.iter().zip(out.chunks_exact_mut(32)) {
+            let d = f16_to_f32(b.d);
+            for (o, &q) in y.iter_mut().zip(&b.qs) {
+                *o = d * q as f32;
+            }
+        }
+    }
+
+    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+        let mut out = [0f32; R];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16_to_f32(b.d);
+            for (o, x) in out.iter_mut().zip(xs) {
+                let a = &x[bi];
+                let dot: i32 = b.qs.iter().zip(&a.qs).map(|(&u, &v)| u as i32 * v as i32).sum();
+                *o += d * a.d * dot as f32;
+            }
+        }
+        out
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+        use x86::*;
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (bi, b) in w.iter().enumerate() {
+            let d = f16x1(b.d);
+            // SAFETY: qs has 32 bytes.
+            let q = unsafe { load32(b.qs.as_ptr()) };
+            let aq = _mm256_sign_epi8(q, q);
+            for r in 0..R {
+                let a = &xs[r][bi];
+                // SAFETY: a.qs has 32 bytes.
+                let y = unsafe { load32(a.qs.as_ptr()) };
+                let sy = _mm256_sign_epi8(y, q);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sy), ones);
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[r]);
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            out[r] = hsum8(acc[r]);
+        }
+        out
+    }
+}
+
+/// Whether the AVX2 kernels can run here (checked once).
+pub(crate) fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Rows per kernel call.
+const ROW_TILE: usize = 4;
+/// Columns per cache tile (weight rows revisited for every row tile).
+const COL_TILE: usize = 8;
+
+/// The row-major `m × n` output of a matmul, shared by the tasks that fill disjoint columns.
+#[derive(Clone, Copy)]
+pub(crate) struct OutPtr {
+    ptr: *mut f32,
+    n: usize,
+    len: usize,
+}
+
+// SAFETY: an `OutPtr` is only written through `store`, whose callers write disjoint elements.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// Wrap `dst` (`rows × n`, row-major).
+    pub(crate) fn new(dst: &mut [f32], n: usize) -> Self {
+        Self {
+            ptr: dst.as_mut_ptr(),
+            n,
+            len: dst.len(),
+        }
+    }
+
+    /// Write `vals[i]` to element `(r + i, c)`.
+    ///
+    /// # Safety
+    /// The wrapped slice must still be alive and borrowed by nobody else, and no other thread
+    /// may write these elements concurrently.
+    #[inline(always)]
+    pub(crate) unsafe fn store(self, r: usize, c: usize, vals: &[f32]) {
+        for (i, v) in vals.iter().enumerate() {
+            let idx = (r + i) * self.n + c;
+            assert!(idx < self.len, "matmul output index out of range");
+            // SAFETY: in bounds (checked) and exclusive (caller).
+            unsafe { *self.ptr.add(idx) = *v };
+        }
+    }
+}
+
+/// The tiled loop over columns and rows shared by both paths; `$dot!(R, weight_row, rows)`
+/// computes `R` dot products.
+macro_rules! row_tiles {
+    ($dot:ident, $F:ty, $w:expr, $kb:expr, $cols:expr, $acts:expr, $m:expr, $out:expr) => {{
+        let (w, kb, cols, acts, m, out) = ($w, $kb, $cols, $acts, $m, $out);
+        let row = |r: usize| -> &[<$F as QFormat>::Act] { &acts[r * kb..(r + 1) * kb] };
+        let col = |c: usize| -> &[$F] { &w[c * kb..(c + 1) * kb] };
+        for ct in cols.clone().step_by(COL_TILE) {
+            let ce = (ct + COL_TILE).min(cols.end);
+            let mut r = 0;
+            while r + ROW_TILE <= m {
+                let xs = [row(r), row(r + 1), row(r + 2), row(r + 3)];
+                for c in ct..ce {
+                    let res = $dot!(4, col(c), xs);
+                    // SAFETY: this task owns columns `cols` (caller's contract).
+                    unsafe { out.store(r, c, &res) };
+                }
+                r += ROW_TILE;
+            }
+            if r < m {
+                for c in ct..ce {
+                    let res: &[f32] = match m - r {
+                        3 => &$dot!(3, col(c), [row(r), row(r + 1), row(r + 2)]),
+                        2 => &$dot!(2, col(c), [row(r), row(r + 1)]),
+                        _ => &$dot!(1, col(c), [row(r)]),
+                    };
+                    // SAFETY: as above.
+                    unsafe { out.store(r, c, res) };
+                }
+            }
+        }
+    }};
+}
+
+/// Output columns `cols` of `X · Wᵀ` for all `m` input rows, with the AVX2 kernels.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C ([`has_avx2`]); no other thread may write columns
+/// `cols` of `out` meanwhile, and `out` must wrap a live `m × n` slice.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn columns_avx2<F: QFormat>(
+    w: &[F],
+    kb: usize,
+    cols: std::ops::Range<usize>,
+    acts: &[F::Act],
+    m: usize,
+    out: OutPtr,
+) {
+    macro_rules! avx2 {
+        ($r:literal, $wc:expr, $xs:expr) => {
+            // SAFETY: the caller of `columns_avx2` guarantees the CPU features.
+            unsafe { F::dot_avx2::<$r>($wc, $xs) }
+        };
+    }
+    row_tiles!(avx2, F, w, kb, cols, acts, m, out);
+}
+
+/// Portable version of [`columns_avx2`].
+///
+/// # Safety
+/// No other thread may write columns `cols` of `out` meanwhile, and `out` must wrap a live
+/// `m × n` slice.
+pub(crate) unsafe fn columns_scalar<F: QFormat>(
+    w: &[F],
+    kb: usize,
+    cols: std::ops::Range<usize>,
+    acts: &[F::Act],
+    m: usize,
+    out: OutPtr,
+) {
+    macro_rules! scalar {
+        ($r:literal, $wc:expr, $xs:expr) => {
+            F::dot_scalar::<$r>($wc, $xs)
+        };
+    }
+    row_tiles!(scalar, F, w, kb, cols, acts, m, out);
+}
