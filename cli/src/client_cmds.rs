@@ -6,7 +6,9 @@ use sequoia_proto::v1::generation_client::GenerationClient;
 use sequoia_proto::v1::{GenerateRequest, GenerateSummary};
 use sequoia_shared::engine::{LoadOptions, Model};
 use sequoia_shared::models;
-use sequoia_shared::sampling::{argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM};
+use sequoia_shared::sampling::{
+    argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
+};
 use sequoia_shared::tokenizer::{ChatMessage, TextTokenizer};
 use serde::Serialize;
 use std::io::Write;
@@ -171,7 +173,8 @@ fn resolve(arg: &str) -> Result<PathBuf> {
     if p.exists() {
         return Ok(p);
     }
-    models::ensure_model(arg).with_context(|| format!("model {arg:?} is neither a file nor a default model name"))
+    models::ensure_model(arg)
+        .with_context(|| format!("model {arg:?} is neither a file nor a default model name"))
 }
 
 /// A child service process, killed if still running when dropped.
@@ -182,7 +185,12 @@ struct Service {
 }
 
 impl Service {
-    fn spawn(name: &'static str, args: &[String], env: &[(&str, String)], logs: &Path) -> Result<Self> {
+    fn spawn(
+        name: &'static str,
+        args: &[String],
+        env: &[(&str, String)],
+        logs: &Path,
+    ) -> Result<Self> {
         let bin = sibling_binary(name)?;
         let log = logs.join(format!("{name}.log"));
         let file = std::fs::File::create(&log)?;
@@ -202,7 +210,11 @@ impl Service {
             let log = std::fs::read_to_string(&self.log).unwrap_or_default();
             let tail: Vec<&str> = log.lines().rev().take(15).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
-            bail!("{} exited ({status}); last log lines:\n{}", self.name, tail.join("\n"));
+            bail!(
+                "{} exited ({status}); last log lines:\n{}",
+                self.name,
+                tail.join("\n")
+            );
         }
         Ok(())
     }
@@ -211,7 +223,10 @@ impl Service {
     fn stop(&mut self) {
         #[cfg(unix)]
         {
-            let _ = Command::new("kill").arg("-TERM").arg(self.child.id().to_string()).status();
+            let _ = Command::new("kill")
+                .arg("-TERM")
+                .arg(self.child.id().to_string())
+                .status();
             let t0 = Instant::now();
             while t0.elapsed() < Duration::from_secs(10) {
                 if let Ok(Some(_)) = self.child.try_wait() {
@@ -248,7 +263,9 @@ fn sibling_binary(name: &str) -> Result<PathBuf> {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Wait until the service answers a gRPC health check.
@@ -256,17 +273,28 @@ async fn wait_ready(svc: &mut Service, url: &str, timeout: Duration) -> Result<(
     let t0 = Instant::now();
     loop {
         svc.check_alive()?;
-        if let Ok(channel) = tonic::transport::Endpoint::from_shared(url.to_string())?.connect().await {
+        if let Ok(channel) = tonic::transport::Endpoint::from_shared(url.to_string())?
+            .connect()
+            .await
+        {
             let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-            let req = tonic_health::pb::HealthCheckRequest { service: String::new() };
+            let req = tonic_health::pb::HealthCheckRequest {
+                service: String::new(),
+            };
             if let Ok(r) = health.check(req).await {
-                if r.into_inner().status == tonic_health::pb::health_check_response::ServingStatus::Serving as i32 {
+                if r.into_inner().status
+                    == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+                {
                     return Ok(());
                 }
             }
         }
         if t0.elapsed() > timeout {
-            bail!("{} did not become ready within {timeout:?}; see {}", svc.name, svc.log.display());
+            bail!(
+                "{} did not become ready within {timeout:?}; see {}",
+                svc.name,
+                svc.log.display()
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -274,7 +302,12 @@ async fn wait_ready(svc: &mut Service, url: &str, timeout: Duration) -> Result<(
 
 /// Target-only decoding in this process: the baseline the demo compares against. Returns the
 /// tokens (EOS excluded) and the decode seconds after the prompt's prefill.
-fn target_alone(path: &Path, prompt_text: &str, max_tokens: usize, params: &SamplingParams) -> Result<(Vec<u32>, f64)> {
+fn target_alone(
+    path: &Path,
+    prompt_text: &str,
+    max_tokens: usize,
+    params: &SamplingParams,
+) -> Result<(Vec<u32>, f64)> {
     let tok = TextTokenizer::load_for_model(path)?;
     let model = Model::load(path, &LoadOptions::default())?;
     let text = tok.apply_chat_template(&[ChatMessage::user(prompt_text.to_string())], true)?;
@@ -312,14 +345,26 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
     let draft_url = format!("http://127.0.0.1:{dport}");
     let rt = tokio::runtime::Runtime::new()?;
 
-    eprintln!("== starting verify-service on {verify_url} and draft-service on {draft_url} (logs in {})", logs.display());
+    eprintln!(
+        "== starting verify-service on {verify_url} and draft-service on {draft_url} (logs in {})",
+        logs.display()
+    );
     let mut verify = Service::spawn(
         "verify-service",
-        &["--model".into(), target.display().to_string(), "--listen".into(), format!("127.0.0.1:{vport}")],
+        &[
+            "--model".into(),
+            target.display().to_string(),
+            "--listen".into(),
+            format!("127.0.0.1:{vport}"),
+        ],
         &[],
         &logs,
     )?;
-    rt.block_on(wait_ready(&mut verify, &verify_url, Duration::from_secs(300)))?;
+    rt.block_on(wait_ready(
+        &mut verify,
+        &verify_url,
+        Duration::from_secs(300),
+    ))?;
     let mut drafter = Service::spawn(
         "draft-service",
         &[
@@ -334,9 +379,16 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         &[("SEQUOIA_TREE__NODES", args.nodes.to_string())],
         &logs,
     )?;
-    rt.block_on(wait_ready(&mut drafter, &draft_url, Duration::from_secs(300)))?;
+    rt.block_on(wait_ready(
+        &mut drafter,
+        &draft_url,
+        Duration::from_secs(300),
+    ))?;
 
-    eprintln!("== generating through the service pair (T = {})\n", args.temperature);
+    eprintln!(
+        "== generating through the service pair (T = {})\n",
+        args.temperature
+    );
     let gen_args = GenerateArgs {
         addr: draft_url.clone(),
         prompt: args.prompt.clone(),
@@ -363,23 +415,44 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         return Ok(());
     }
     eprintln!("== the same prompt decoded by the target alone");
-    let params = SamplingParams { temperature: args.temperature, top_k: 0, top_p: 1.0 };
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: 0,
+        top_p: 1.0,
+    };
     let (tokens, secs) = target_alone(&target, &args.prompt, args.max_tokens as usize, &params)?;
     let tps = tokens.len() as f64 / secs;
-    eprintln!("[target alone: {} tokens, {:.2} tokens/s]", tokens.len(), tps);
+    eprintln!(
+        "[target alone: {} tokens, {:.2} tokens/s]",
+        tokens.len(),
+        tps
+    );
     if args.temperature == 0.0 {
         let same = tokens == report.tokens;
         eprintln!(
             "greedy outputs {}",
-            if same { "identical".to_string() } else { format!("differ (first difference at token {})", first_diff(&tokens, &report.tokens)) }
+            if same {
+                "identical".to_string()
+            } else {
+                format!(
+                    "differ (first difference at token {})",
+                    first_diff(&tokens, &report.tokens)
+                )
+            }
         );
     }
     if report.tokens_per_second > 0.0 && tps > 0.0 {
-        eprintln!("speedup of the service pair over the target alone: {:.2}x", report.tokens_per_second / tps);
+        eprintln!(
+            "speedup of the service pair over the target alone: {:.2}x",
+            report.tokens_per_second / tps
+        );
     }
     Ok(())
 }
 
 fn first_diff(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).position(|(x, y)| x != y).unwrap_or(a.len().min(b.len()))
+    a.iter()
+        .zip(b)
+        .position(|(x, y)| x != y)
+        .unwrap_or(a.len().min(b.len()))
 }

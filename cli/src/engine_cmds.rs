@@ -10,13 +10,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use serde::Serialize;
 use sequoia_shared::engine::{LoadOptions, Model};
 use sequoia_shared::sampling::{
     argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
 };
 use sequoia_shared::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
 use sequoia_shared::tree::Tree;
+use serde::Serialize;
 
 /// A model argument: a path (GGUF file or Hugging Face folder) or a default model's short name
 /// (`qwen2.5-coder-1.5b`, ...), fetched on first use.
@@ -416,7 +416,10 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
             "prefill {:.1} tokens/s   decode {:.2} tokens/s ({:.2} ms/token)",
             report.prefill_tokens_per_second, report.decode_tokens_per_second, decode_ms_median
         );
-        println!("{:>5} {:>7} {:>11} {:>11} {:>9}", "n", "levels", "median ms", "min ms", "t(n)/t(1)");
+        println!(
+            "{:>5} {:>7} {:>11} {:>11} {:>9}",
+            "n", "levels", "median ms", "min ms", "t(n)/t(1)"
+        );
         for r in &report.t {
             println!(
                 "{:>5} {:>7} {:>11.2} {:>11.2} {:>9.2}",

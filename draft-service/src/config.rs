@@ -76,3 +76,52 @@ impl Default for DraftConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn example_config_matches_the_code() {
+        let file =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/draft-service.toml");
+        let unknown = sequoia_shared::config::unknown_keys(&DraftConfig::default(), &file).unwrap();
+        assert!(
+            unknown.is_empty(),
+            "keys the service does not read: {unknown:?}"
+        );
+        let c: DraftConfig = sequoia_shared::config::load(
+            &DraftConfig::default(),
+            Some(&file),
+            &serde_json::json!({}),
+        )
+        .unwrap();
+        assert_eq!(c.tree.nodes, 8);
+        assert_eq!(c.verify, vec!["http://verify-service:50052".to_string()]);
+        let text = std::fs::read_to_string(&file).unwrap();
+        for (key, v) in serde_json::to_value(DraftConfig::default())
+            .unwrap()
+            .as_object()
+            .unwrap()
+        {
+            let documented = if v.is_object() {
+                text.contains(&format!("[{key}]"))
+            } else {
+                text.contains(&format!("\n{key} ="))
+            };
+            assert!(documented, "{key} is not documented in the example");
+        }
+        for key in serde_json::to_value(TreeConfig::default())
+            .unwrap()
+            .as_object()
+            .unwrap()
+            .keys()
+        {
+            assert!(
+                text.contains(&format!("\n{key} =")),
+                "tree.{key} is not documented"
+            );
+        }
+    }
+}

@@ -92,3 +92,36 @@ mod tests {
         assert!(load(&d, Some(Path::new("/nonexistent.toml")), &Flags::default()).is_err());
     }
 }
+
+/// Keys of a TOML file that the configuration type `defaults` does not have (dotted paths).
+/// Used by tests to keep the documented example configs in step with the code.
+pub fn unknown_keys<C: Serialize>(defaults: &C, file: &Path) -> Result<Vec<String>, ConfigError> {
+    let known = serde_json::to_value(defaults).map_err(|e| ConfigError(e.to_string()))?;
+    let given: serde_json::Value = Figment::from(Toml::file(file))
+        .extract()
+        .map_err(|e| ConfigError(e.to_string()))?;
+    let mut out = Vec::new();
+    collect_unknown(&known, &given, "", &mut out);
+    Ok(out)
+}
+
+fn collect_unknown(
+    known: &serde_json::Value,
+    given: &serde_json::Value,
+    at: &str,
+    out: &mut Vec<String>,
+) {
+    if let (Some(k), Some(g)) = (known.as_object(), given.as_object()) {
+        for (key, value) in g {
+            let path = if at.is_empty() {
+                key.clone()
+            } else {
+                format!("{at}.{key}")
+            };
+            match k.get(key) {
+                None => out.push(path),
+                Some(kv) => collect_unknown(kv, value, &path, out),
+            }
+        }
+    }
+}

@@ -45,3 +45,37 @@ impl Default for VerifyConfig {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    #[test]
+    fn example_config_matches_the_code() {
+        let file =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/verify-service.toml");
+        let unknown =
+            sequoia_shared::config::unknown_keys(&VerifyConfig::default(), &file).unwrap();
+        assert!(
+            unknown.is_empty(),
+            "keys the service does not read: {unknown:?}"
+        );
+        let c: VerifyConfig = sequoia_shared::config::load(
+            &VerifyConfig::default(),
+            Some(&file),
+            &serde_json::json!({}),
+        )
+        .unwrap();
+        assert_eq!(c.listen, "0.0.0.0:50052");
+        // Every setting is documented: the example sets every key.
+        let all = serde_json::to_value(VerifyConfig::default()).unwrap();
+        let text = std::fs::read_to_string(&file).unwrap();
+        for key in all.as_object().unwrap().keys() {
+            assert!(
+                text.contains(&format!("\n{key} =")),
+                "{key} is not documented in the example"
+            );
+        }
+    }
+}

@@ -324,11 +324,8 @@ impl QFormat for BlockQ4K {
             }
             for r in 0..R {
                 let a = &xs[r][bi];
-                acc[r] = _mm256_fmadd_ps(
-                    _mm256_set1_ps(d * a.d),
-                    _mm256_cvtepi32_ps(sumi[r]),
-                    acc[r],
-                );
+                acc[r] =
+                    _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
                 // SAFETY: bsums32 is 16 bytes.
                 let bs = unsafe { _mm_loadu_si128(a.bsums32.as_ptr() as *const __m128i) };
                 let pm = _mm_madd_epi16(mins, bs);
@@ -387,7 +384,8 @@ impl QFormat for BlockQ6K {
             // Unsigned 6-bit values (offset 32 applied through the input sums).
             for h in 0..2 {
                 for l in 0..32 {
-                    let (ql0, ql1, qh) = (b.ql[64 * h + l], b.ql[64 * h + 32 + l], b.qh[32 * h + l]);
+                    let (ql0, ql1, qh) =
+                        (b.ql[64 * h + l], b.ql[64 * h + 32 + l], b.qh[32 * h + l]);
                     q[128 * h + l] = (ql0 & 0xF) | ((qh & 3) << 4);
                     q[128 * h + 32 + l] = (ql1 & 0xF) | (((qh >> 2) & 3) << 4);
                     q[128 * h + 64 + l] = (ql0 >> 4) | (((qh >> 4) & 3) << 4);
@@ -522,7 +520,11 @@ impl QFormat for BlockQ5_0 {
             }
             for (o, x) in out.iter_mut().zip(xs) {
                 let a = &x[bi];
-                let dot: i32 = q.iter().zip(&a.qs).map(|(&u, &v)| u as i32 * v as i32).sum();
+                let dot: i32 = q
+                    .iter()
+                    .zip(&a.qs)
+                    .map(|(&u, &v)| u as i32 * v as i32)
+                    .sum();
                 *o += d * a.d * dot as f32 - 16.0 * d * a.dsum;
             }
         }
@@ -588,7 +590,11 @@ impl QFormat for BlockQ8_0 {
             let d = f16_to_f32(b.d);
             for (o, x) in out.iter_mut().zip(xs) {
                 let a = &x[bi];
-                let dot: i32 = b.qs.iter().zip(&a.qs).map(|(&u, &v)| u as i32 * v as i32).sum();
+                let dot: i32 =
+                    b.qs.iter()
+                        .zip(&a.qs)
+                        .map(|(&u, &v)| u as i32 * v as i32)
+                        .sum();
                 *o += d * a.d * dot as f32;
             }
         }
