@@ -35,24 +35,36 @@ pub struct DraftConfig {
     pub log_json: bool,
 }
 
-/// The tree shape: a Sequoia DP tree for this acceptance vector within the budget.
+/// The tree shape: a Sequoia DP tree. In "auto" mode its size and depth come from measured
+/// costs and a running acceptance estimate; in "fixed" mode from `nodes` and `max_levels`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TreeConfig {
-    /// Acceptance vector p_1, p_2, ... (measure it with `sequoia tree measure-acceptance`).
+    /// "auto" (plan from measured costs) or "fixed".
+    pub mode: String,
+    /// Acceptance vector p_1, p_2, ... (measure it with `sequoia tree measure-acceptance`);
+    /// in auto mode the prior of the running estimate.
     pub acceptance: Vec<f64>,
-    /// Node budget per tree, root included (1 = no speculation).
+    /// Fixed mode: nodes per tree, root included (1 = no speculation). Auto mode: the largest
+    /// tree the planner considers.
     pub nodes: usize,
     /// Maximum levels, root included.
     pub max_levels: usize,
+    /// Auto mode: re-plan after this many steps of a generation.
+    pub replan_every_steps: u32,
+    /// Auto mode: context length at which forward costs are measured.
+    pub profile_context: usize,
 }
 
 impl Default for TreeConfig {
     fn default() -> Self {
         Self {
+            mode: "auto".into(),
             acceptance: EXAMPLE_ACCEPTANCE.to_vec(),
-            nodes: 8,
-            max_levels: 6,
+            nodes: 32,
+            max_levels: 8,
+            replan_every_steps: 16,
+            profile_context: 128,
         }
     }
 }
@@ -97,7 +109,7 @@ mod tests {
             &serde_json::json!({}),
         )
         .unwrap();
-        assert_eq!(c.tree.nodes, 8);
+        assert_eq!(c.tree.nodes, 32);
         assert_eq!(c.verify, vec!["http://verify-service:50052".to_string()]);
         let text = std::fs::read_to_string(&file).unwrap();
         for (key, v) in serde_json::to_value(DraftConfig::default())

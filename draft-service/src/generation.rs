@@ -2,14 +2,14 @@
 //! grow tree → verify → follow the verdict → stream text, until EOS, a stop string, max_tokens
 //! or the context limit.
 
-use crate::drafter::{DraftSession, DraftedTree};
 use crate::nodes::{unavailable, VerifyNode};
+use crate::plan::NodeCosts;
 use crate::DraftState;
 use sequoia_proto::v1::{
     session_request, session_response, GenerateChunk, GenerateRequest, GenerateSummary,
-    OpenSession, SamplingConfig, SessionRequest, SparseDist as PbDist, Timings, TreePlan,
-    VerifyTree,
+    OpenSession, SamplingConfig, SessionRequest, SparseDist as PbDist, Timings, VerifyTree,
 };
+use sequoia_shared::drafting::{DraftSession, DraftedTree};
 use sequoia_shared::sampling::SamplingParams;
 use sequoia_shared::tokenizer::{ChatMessage, IncrementalDecoder};
 use std::sync::atomic::Ordering;
@@ -346,6 +346,14 @@ async fn generate_on(
             .saturating_sub(1),
         stop: prep.stop.clone(),
     };
+    let greedy = prep.params.is_greedy();
+    let costs = node_costs(state, node).await?;
+    let mut plan = state
+        .planner
+        .plan(costs.as_ref(), greedy)
+        .map_err(|e| Status::internal(format!("tree planner: {e}")))?;
+    let mut replans = 0u32;
+    let mut folded = Stats::default(); // counts already folded into the planner's estimate
     let mut generated: Vec<u32> = Vec::new();
     let mut stats = Stats::default();
     let mut finish = "length";
@@ -357,11 +365,20 @@ async fn generate_on(
             finish = "context";
             break;
         }
-        let shape = state.plan.shape(room);
+        if stats.steps > 0 && stats.steps % state.planner.replan_every() == 0 {
+            fold_acceptance(state, greedy, &stats, &mut folded);
+            plan = state
+                .planner
+                .plan(costs.as_ref(), greedy)
+                .map_err(|e| Status::internal(format!("tree planner: {e}")))?;
+            replans += 1;
+        }
+        let shape = plan.shape(room);
         // Grow the tree (CPU-bound) without stalling the async workers.
         let t0 = Instant::now();
         let model = state.model.clone();
         let shape_c = shape.clone();
+        let full_tree = shape.len() == plan.shape(usize::MAX).len();
         let (back, drafted) = tokio::task::spawn_blocking(move || {
             let r = draft.grow(&model, root, &shape_c);
             (draft, r)
@@ -370,7 +387,8 @@ async fn generate_on(
         .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
         draft = back;
         let drafted = drafted.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
-        stats.draft += t0.elapsed();
+        let step_draft = t0.elapsed();
+        stats.draft += step_draft;
 
         let tree_msg = VerifyTree {
             step,
@@ -401,6 +419,11 @@ async fn generate_on(
         };
         stats.roundtrip += t_rt.elapsed();
         stats.verify_ms += verdict.verify_ms;
+        if let (Some(pred), true) = (&plan.prediction, full_tree) {
+            state
+                .planner
+                .observe_times(pred, verdict.verify_ms, step_draft.as_secs_f64() * 1e3);
+        }
         if verdict.step != step {
             return Err(Status::internal(format!(
                 "verify node {addr} answered step {} for step {step}",
@@ -414,19 +437,9 @@ async fn generate_on(
             )));
         }
         let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
-        let t1 = Instant::now();
-        let model = state.model.clone();
-        let drafted_c = drafted.clone();
-        let accepted_c = accepted.clone();
-        let (back, committed) = tokio::task::spawn_blocking(move || {
-            let r = draft.commit(&model, &drafted_c, &accepted_c);
-            (draft, r)
-        })
-        .await
-        .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
-        draft = back;
-        committed.map_err(|e| Status::internal(format!("verify node {addr}: {e}")))?;
-        stats.draft += t1.elapsed();
+        draft
+            .commit(&drafted, &accepted)
+            .map_err(|e| Status::internal(format!("verify node {addr}: {e}")))?;
         stats.record(&drafted, &accepted, &verdict.accepted_ranks);
         stats.steps += 1;
         step += 1;
@@ -481,7 +494,7 @@ async fn generate_on(
     let tail = out.take_ready(true);
     let gen_secs = t_gen.elapsed().as_secs_f64();
     let n = generated.len();
-    let plan = state.plan.shape(usize::MAX);
+    fold_acceptance(state, greedy, &stats, &mut folded);
     let summary = GenerateSummary {
         prompt_tokens: prep.prompt_tokens.len() as u32,
         generated_tokens: n as u32,
@@ -508,12 +521,7 @@ async fn generate_on(
         finish_reason: finish.into(),
         seed: prep.seed,
         verify_node: addr.clone(),
-        plan: Some(TreePlan {
-            parents: plan.parents().to_vec(),
-            nodes: plan.len() as u32,
-            levels: plan.levels() as u32,
-            expected_tokens_per_step: state.plan.expected_tokens(),
-        }),
+        plan: Some(plan.to_proto(replans)),
     };
     let _ = tx
         .send(Ok(GenerateChunk {
@@ -523,6 +531,49 @@ async fn generate_on(
         }))
         .await;
     Ok(())
+}
+
+/// Add this generation's new verdict statistics to the planner's running estimate.
+fn fold_acceptance(state: &DraftState, greedy: bool, stats: &Stats, folded: &mut Stats) {
+    let delta = |now: &[u64], before: &[u64]| -> Vec<u64> {
+        now.iter()
+            .enumerate()
+            .map(|(i, &x)| x - before.get(i).copied().unwrap_or(0))
+            .collect()
+    };
+    let acc = delta(&stats.accepted_by_rank, &folded.accepted_by_rank);
+    let tri = delta(&stats.trials_by_rank, &folded.trials_by_rank);
+    state.planner.observe_acceptance(greedy, &acc, &tri);
+    folded.accepted_by_rank = stats.accepted_by_rank.clone();
+    folded.trials_by_rank = stats.trials_by_rank.clone();
+}
+
+/// The node's measured costs for the auto planner, profiling it (and this node's draft cost)
+/// on first use. None in fixed mode.
+async fn node_costs(
+    state: &Arc<DraftState>,
+    node: &Arc<VerifyNode>,
+) -> Result<Option<NodeCosts>, Status> {
+    if !state.planner.is_auto() {
+        return Ok(None);
+    }
+    let mut slot = node.costs.lock().await;
+    if let Some(c) = slot.as_ref() {
+        return Ok(Some(c.clone()));
+    }
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || st.planner.measure_draft(&st.model))
+        .await
+        .map_err(|e| Status::internal(format!("draft profiling task failed: {e}")))?
+        .map_err(|e| Status::internal(format!("draft profiling failed: {e}")))?;
+    let costs = state
+        .planner
+        .measure_node(node.client())
+        .await
+        .map_err(|s| unavailable(&node.addr, &s))?;
+    tracing::info!(node = %node.addr, rtt_ms = costs.network.rtt_ms, verify_ms = ?costs.verify.ms, "profiled verify node");
+    *slot = Some(costs.clone());
+    Ok(Some(costs))
 }
 
 async fn next_response(

@@ -3,12 +3,10 @@
 //! grow a token tree with the draft model → send it → follow the verdict, streaming the
 //! committed text back to the client.
 //!
-//! Layout: [`config`] (settings), [`plan`] (tree shapes), [`drafter`] (the draft model's side
-//! of a generation, no networking), [`nodes`] (verify nodes, compatibility, choice),
+//! Layout: [`config`] (settings), [`plan`] (tree shapes), [`nodes`] (verify nodes, compatibility, choice),
 //! [`generation`] (the per-request loop) and [`serve`] here (the gRPC server).
 
 pub mod config;
-pub mod drafter;
 pub mod generation;
 pub mod nodes;
 pub mod plan;
@@ -16,7 +14,7 @@ pub mod plan;
 use anyhow::Context;
 use config::DraftConfig;
 use nodes::NodePool;
-use plan::TreePlanner;
+use plan::Planner;
 use sequoia_proto::v1::generation_server::{Generation, GenerationServer};
 use sequoia_proto::v1::{GenerateChunk, GenerateRequest};
 use sequoia_shared::engine::{LoadOptions, Model};
@@ -36,7 +34,7 @@ pub struct DraftState {
     pub tokenizer: Arc<TextTokenizer>,
     pub config: DraftConfig,
     pub pool: NodePool,
-    pub plan: TreePlanner,
+    pub planner: Planner,
     active: AtomicUsize,
     draining: AtomicBool,
 }
@@ -61,7 +59,7 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
         Duration::from_secs_f64(config.connect_timeout_secs),
     )
     .map_err(anyhow::Error::msg)?;
-    let plan = TreePlanner::new(&config.tree).context("tree settings ([tree] in the config)")?;
+    let planner = Planner::new(&config.tree, config.wire_top_k).map_err(anyhow::Error::msg)?;
     let opts = LoadOptions {
         threads: (config.threads > 0).then_some(config.threads),
         cuda: config.cuda,
@@ -76,7 +74,7 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
         tokenizer: Arc::new(tokenizer),
         config,
         pool,
-        plan,
+        planner,
         active: AtomicUsize::new(0),
         draining: AtomicBool::new(false),
     }))
@@ -163,8 +161,8 @@ pub async fn serve(
         addr = %listener.local_addr()?,
         model = %state.model.info().name,
         verify = ?state.config.verify,
-        tree_nodes = state.plan.shape(usize::MAX).len(),
-        expected_tokens_per_step = state.plan.expected_tokens(),
+        tree_mode = %state.config.tree.mode,
+        tree_nodes = state.config.tree.nodes,
         "draft-service listening"
     );
     tonic::transport::Server::builder()

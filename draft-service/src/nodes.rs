@@ -19,6 +19,8 @@ pub struct VerifyNode {
     info: Mutex<Option<InfoResponse>>,
     /// Sessions this draft node has open there.
     pub active: AtomicUsize,
+    /// Measured costs for the auto planner (profiled on first use).
+    pub costs: Mutex<Option<crate::plan::NodeCosts>>,
 }
 
 impl VerifyNode {
@@ -39,6 +41,7 @@ impl VerifyNode {
             channel: endpoint.connect_lazy(),
             info: Mutex::new(None),
             active: AtomicUsize::new(0),
+            costs: Mutex::new(None),
         })
     }
 

@@ -1,36 +1,340 @@
-//! The tree shapes this draft node uses: the Sequoia DP solved once at start-up for the
-//! configured acceptance vector and budget, with smaller trees ready for when the context is
-//! nearly full.
+//! Which tree to draft: either a fixed Sequoia tree for a configured acceptance vector and
+//! budget, or (auto mode, the default) the tree the hardware- and network-aware planner
+//! (`sequoia_shared::planner::cost`) picks from measured costs: the verify node's t_v(n) from its
+//! `Profile` RPC, the draft's own t_d(w), and RTT/bandwidth from `Ping`. The acceptance vector is
+//! a running estimate from verdicts (separately for greedy and sampled generations), and the
+//! plan is recomputed as it and the observed step times move.
 
 use crate::config::TreeConfig;
-use sequoia_shared::planner::{PlanError, SequoiaDp};
+use sequoia_proto::v1::verifier_client::VerifierClient;
+use sequoia_proto::v1::{PingRequest, ProfileRequest, TreePlan};
+use sequoia_shared::engine::Model;
+use sequoia_shared::planner::cost::{choose, CostCurve, NetworkProfile, Prediction, Profile};
+use sequoia_shared::planner::{validate_acceptance, PlanError, SequoiaDp};
+use sequoia_shared::profiling;
 use sequoia_shared::tree::Tree;
+use std::sync::Mutex;
+use std::time::Instant;
+use tonic::transport::Channel;
+use tonic::Status;
 
-pub struct TreePlanner {
-    /// trees[k] = best tree with at most k + 1 nodes.
-    trees: Vec<Tree>,
-    expected: f64,
+/// Weight of the configured acceptance vector in the running estimate, in pseudo-trials.
+const PRIOR_TRIALS: f64 = 20.0;
+
+/// Accepted/trial counts by rank (ALGORITHMS.md §6).
+#[derive(Debug, Clone, Default)]
+pub struct RankCounts {
+    pub accepted: Vec<u64>,
+    pub trials: Vec<u64>,
 }
 
-impl TreePlanner {
-    pub fn new(cfg: &TreeConfig) -> Result<Self, PlanError> {
-        let nodes = cfg.nodes.max(1);
-        let dp = SequoiaDp::solve(&cfg.acceptance, nodes, cfg.max_levels.max(1))?;
-        let trees = (1..=nodes).map(|n| dp.tree(n, cfg.max_levels)).collect();
+impl RankCounts {
+    pub fn add(&mut self, accepted: &[u64], trials: &[u64]) {
+        if self.trials.len() < trials.len() {
+            self.trials.resize(trials.len(), 0);
+            self.accepted.resize(trials.len(), 0);
+        }
+        for (i, &t) in trials.iter().enumerate() {
+            self.trials[i] += t;
+            self.accepted[i] += accepted.get(i).copied().unwrap_or(0);
+        }
+    }
+
+    /// Estimate p_r, shrunk towards `prior` when there are few trials; the result sums to ≤ 1.
+    pub fn estimate(&self, prior: &[f64]) -> Vec<f64> {
+        let mut p: Vec<f64> = prior
+            .iter()
+            .enumerate()
+            .map(|(r, &pr)| {
+                let acc = self.accepted.get(r).copied().unwrap_or(0) as f64;
+                let tri = self.trials.get(r).copied().unwrap_or(0) as f64;
+                (acc + PRIOR_TRIALS * pr) / (tri + PRIOR_TRIALS)
+            })
+            .collect();
+        let s: f64 = p.iter().sum();
+        if s > 1.0 {
+            p.iter_mut().for_each(|x| *x /= s);
+        }
+        p
+    }
+}
+
+/// The tree shapes of one plan: the DP solved for the chosen budget, so smaller trees are at
+/// hand when the context is nearly full.
+pub struct ActivePlan {
+    dp: SequoiaDp,
+    nodes: usize,
+    levels: usize,
+    pub acceptance: Vec<f64>,
+    pub prediction: Option<Prediction>,
+    pub mode: &'static str,
+}
+
+impl ActivePlan {
+    fn fixed(p: &[f64], nodes: usize, levels: usize) -> Result<Self, PlanError> {
+        let nodes = nodes.max(1);
         Ok(Self {
-            trees,
-            expected: dp.expected(nodes, cfg.max_levels),
+            dp: SequoiaDp::solve(p, nodes, levels.max(1))?,
+            nodes,
+            levels: levels.max(1),
+            acceptance: p.to_vec(),
+            prediction: None,
+            mode: "fixed",
         })
     }
 
     /// The planned tree, shrunk to at most `room` nodes.
-    pub fn shape(&self, room: usize) -> &Tree {
-        let k = room.clamp(1, self.trees.len()) - 1;
-        &self.trees[k]
+    pub fn shape(&self, room: usize) -> Tree {
+        self.dp.tree(room.clamp(1, self.nodes), self.levels)
     }
 
-    /// Expected tokens per step of the full-size tree under the configured acceptance vector.
     pub fn expected_tokens(&self) -> f64 {
-        self.expected
+        self.dp.expected(self.nodes, self.levels)
+    }
+
+    pub fn to_proto(&self, replans: u32) -> TreePlan {
+        let t = self.shape(usize::MAX);
+        TreePlan {
+            parents: t.parents().to_vec(),
+            nodes: t.len() as u32,
+            levels: t.levels() as u32,
+            expected_tokens_per_step: self.expected_tokens(),
+            mode: self.mode.into(),
+            predicted_speedup: self.prediction.as_ref().map_or(0.0, |p| p.speedup),
+            predicted_step_ms: self.prediction.as_ref().map_or(0.0, |p| p.step_ms),
+            acceptance: self.acceptance.clone(),
+            replans,
+        }
+    }
+}
+
+/// Measured costs of one verify node as seen from this draft node.
+#[derive(Debug, Clone)]
+pub struct NodeCosts {
+    pub verify: CostCurve,
+    pub network: NetworkProfile,
+}
+
+/// Observed/predicted ratios, smoothed, so the plan follows drift in the real step times.
+#[derive(Debug, Clone, Copy)]
+struct Drift {
+    verify: f64,
+    draft: f64,
+}
+
+pub struct Planner {
+    cfg: TreeConfig,
+    wire_top_k: usize,
+    auto: bool,
+    draft_curve: Mutex<Option<CostCurve>>,
+    greedy: Mutex<RankCounts>,
+    sampled: Mutex<RankCounts>,
+    drift: Mutex<Drift>,
+}
+
+impl Planner {
+    pub fn new(cfg: &TreeConfig, wire_top_k: usize) -> Result<Self, String> {
+        validate_acceptance(&cfg.acceptance).map_err(|e| format!("tree.acceptance: {e}"))?;
+        let auto = match cfg.mode.as_str() {
+            "auto" => true,
+            "fixed" => false,
+            m => {
+                return Err(format!(
+                    "tree.mode must be \"auto\" or \"fixed\", got {m:?}"
+                ))
+            }
+        };
+        if cfg.nodes == 0 || cfg.nodes > 512 {
+            return Err(format!("tree.nodes must be in 1..=512, got {}", cfg.nodes));
+        }
+        Ok(Self {
+            cfg: cfg.clone(),
+            wire_top_k,
+            auto,
+            draft_curve: Mutex::new(None),
+            greedy: Mutex::new(RankCounts::default()),
+            sampled: Mutex::new(RankCounts::default()),
+            drift: Mutex::new(Drift {
+                verify: 1.0,
+                draft: 1.0,
+            }),
+        })
+    }
+
+    pub fn is_auto(&self) -> bool {
+        self.auto
+    }
+
+    /// Measure t_d(w) on this node once (blocking; call off the async threads).
+    pub fn measure_draft(&self, model: &Model) -> Result<CostCurve, String> {
+        if let Some(c) = self.draft_curve.lock().unwrap().clone() {
+            return Ok(c);
+        }
+        let sizes: Vec<u32> = [1u32, 2, 4, 8, 16]
+            .into_iter()
+            .filter(|&w| w as usize <= self.cfg.nodes.max(1))
+            .collect();
+        let ms = profiling::measure_draft(model, &sizes, self.cfg.profile_context, 3)
+            .map_err(|e| e.to_string())?;
+        let curve = CostCurve::new(sizes, ms).map_err(|e| e.to_string())?;
+        *self.draft_curve.lock().unwrap() = Some(curve.clone());
+        Ok(curve)
+    }
+
+    /// Profile a verify node: its t_v(n) over the sizes the search may use, RTT and bandwidth.
+    pub async fn measure_node(
+        &self,
+        mut client: VerifierClient<Channel>,
+    ) -> Result<NodeCosts, Status> {
+        let sizes: Vec<u32> = profiling::DEFAULT_SIZES
+            .iter()
+            .copied()
+            .filter(|&n| n as usize <= self.cfg.nodes)
+            .collect();
+        let sizes = if sizes.is_empty() { vec![1] } else { sizes };
+        let prof = client
+            .profile(ProfileRequest {
+                tree_sizes: sizes,
+                context_length: self.cfg.profile_context as u32,
+                repeats: 3,
+            })
+            .await?
+            .into_inner();
+        let verify = CostCurve::new(prof.tree_sizes, prof.forward_ms)
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let mut rtts = Vec::new();
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            client
+                .ping(PingRequest {
+                    payload: vec![],
+                    reply_bytes: 0,
+                })
+                .await?;
+            rtts.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        rtts.sort_by(f64::total_cmp);
+        let rtt_ms = rtts[rtts.len() / 2];
+        const BIG: usize = 1 << 20;
+        let t0 = Instant::now();
+        client
+            .ping(PingRequest {
+                payload: vec![0u8; BIG],
+                reply_bytes: 0,
+            })
+            .await?;
+        let big_ms = t0.elapsed().as_secs_f64() * 1e3;
+        let bytes_per_ms = BIG as f64 / (big_ms - rtt_ms).max(0.05);
+        Ok(NodeCosts {
+            verify,
+            network: NetworkProfile {
+                rtt_ms,
+                bytes_per_ms,
+            },
+        })
+    }
+
+    fn counts(&self, greedy: bool) -> &Mutex<RankCounts> {
+        if greedy {
+            &self.greedy
+        } else {
+            &self.sampled
+        }
+    }
+
+    /// Fold a finished (or ongoing) generation's verdict statistics into the running estimate.
+    pub fn observe_acceptance(&self, greedy: bool, accepted: &[u64], trials: &[u64]) {
+        self.counts(greedy).lock().unwrap().add(accepted, trials);
+    }
+
+    /// Fold observed step times into the drift factors (exponential smoothing).
+    pub fn observe_times(&self, predicted: &Prediction, verify_ms: f64, draft_ms: f64) {
+        let mut d = self.drift.lock().unwrap();
+        let smooth = |old: f64, obs: f64, pred: f64| {
+            if pred > 0.0 && obs > 0.0 {
+                (0.8 * old + 0.2 * obs / pred).clamp(0.2, 5.0)
+            } else {
+                old
+            }
+        };
+        d.verify = smooth(d.verify, verify_ms, predicted.verify_ms / d.verify);
+        d.draft = smooth(d.draft, draft_ms, predicted.draft_ms / d.draft);
+    }
+
+    /// The plan for a new generation (or a re-plan), given the node's costs in auto mode.
+    pub fn plan(&self, costs: Option<&NodeCosts>, greedy: bool) -> Result<ActivePlan, String> {
+        let p = self
+            .counts(greedy)
+            .lock()
+            .unwrap()
+            .estimate(&self.cfg.acceptance);
+        let (Some(costs), true) = (costs, self.auto) else {
+            return ActivePlan::fixed(&self.cfg.acceptance, self.cfg.nodes, self.cfg.max_levels)
+                .map_err(|e| e.to_string());
+        };
+        let draft = self
+            .draft_curve
+            .lock()
+            .unwrap()
+            .clone()
+            .ok_or("draft costs not measured yet")?;
+        let d = *self.drift.lock().unwrap();
+        let scale = |c: &CostCurve, f: f64| CostCurve {
+            sizes: c.sizes.clone(),
+            ms: c.ms.iter().map(|m| m * f).collect(),
+        };
+        let profile = Profile {
+            verify: scale(&costs.verify, d.verify),
+            draft: scale(&draft, d.draft),
+            network: costs.network,
+            overhead_ms: 0.5,
+            context: self.cfg.profile_context,
+            note: String::new(),
+        };
+        let q = if greedy { 0 } else { self.wire_top_k };
+        let auto = choose(&profile, &p, self.cfg.nodes, self.cfg.max_levels, q)
+            .map_err(|e| e.to_string())?;
+        let best = auto.best;
+        let mut plan = ActivePlan::fixed(&p, best.nodes, best.levels).map_err(|e| e.to_string())?;
+        plan.prediction = Some(best);
+        plan.mode = "auto";
+        Ok(plan)
+    }
+
+    pub fn replan_every(&self) -> u32 {
+        self.cfg.replan_every_steps.max(1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn estimate_moves_from_prior_to_data() {
+        let prior = [0.5, 0.2];
+        let mut c = RankCounts::default();
+        assert_eq!(c.estimate(&prior), vec![0.5, 0.2]);
+        c.add(&[90, 0], &[100, 10]);
+        let e = c.estimate(&prior);
+        assert!((e[0] - (90.0 + 10.0) / 120.0).abs() < 1e-12);
+        assert!(e[1] < 0.2);
+        assert!(e.iter().sum::<f64>() <= 1.0 + 1e-12);
+    }
+
+    #[test]
+    fn bad_tree_settings_are_refused() {
+        let cfg = TreeConfig {
+            mode: "magic".into(),
+            ..TreeConfig::default()
+        };
+        assert!(Planner::new(&cfg, 8).unwrap_err().contains("tree.mode"));
+        let cfg = TreeConfig {
+            acceptance: vec![0.9, 0.9],
+            ..TreeConfig::default()
+        };
+        assert!(Planner::new(&cfg, 8)
+            .unwrap_err()
+            .contains("tree.acceptance"));
     }
 }

@@ -6,9 +6,13 @@
 //! probability `p[r-1]`, independent of depth. A node's probability of being on the accepted path
 //! is the product of its ancestors' ranks' probabilities; the expected tokens per step is the sum
 //! of that over all nodes (the root counts 1: the correction/bonus token is always produced).
+//!
+//! [`cost`] turns this into a choice of tree size from measured hardware and network costs.
 
 use crate::tree::{Tree, TreeLimits};
 use serde::Serialize;
+
+pub mod cost;
 
 /// Levels used when the caller sets no depth limit. Deeper levels add at most p₁⁶⁴ per node.
 pub const UNLIMITED_LEVELS: usize = 64;

@@ -130,6 +130,7 @@ pub fn start_verify(config: VerifyConfig) -> Running {
     }
 }
 
+/// A draft-service drafting fixed trees of `nodes` nodes and `levels` levels.
 pub fn draft_config(model: &Path, verify: &[String], nodes: usize, levels: usize) -> DraftConfig {
     DraftConfig {
         model: model.to_path_buf(),
@@ -138,6 +139,7 @@ pub fn draft_config(model: &Path, verify: &[String], nodes: usize, levels: usize
         max_context: 1024,
         step_timeout_secs: 20.0,
         tree: TreeConfig {
+            mode: "fixed".into(),
             nodes,
             max_levels: levels,
             ..TreeConfig::default()

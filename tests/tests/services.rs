@@ -62,6 +62,37 @@ fn greedy_output_equals_target_only_decoding() {
     );
 }
 
+/// Auto mode profiles the verify node, plans from measured costs, re-plans as verdicts come
+/// in, and stays exact.
+#[test]
+fn auto_planner_stays_exact_and_reports_its_plan() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_config(&pair.target));
+    let mut cfg = draft_config(&pair.draft, &[verify.url()], 16, 6);
+    cfg.tree.mode = "auto".into();
+    cfg.tree.replan_every_steps = 2;
+    let draft = start_draft(cfg);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for prompt in PROMPTS {
+        let want = plain_greedy(&pair.target, prompt, 40);
+        let got = rt
+            .block_on(within(
+                120,
+                generate(&draft.url(), request(prompt, 40, 0.0, 1)),
+            ))
+            .unwrap();
+        assert_eq!(got.tokens, want, "prompt {prompt:?}");
+        let plan = got.summary.unwrap().plan.unwrap();
+        assert_eq!(plan.mode, "auto");
+        assert!(plan.nodes >= 1 && plan.nodes <= 16);
+        assert!(plan.predicted_speedup > 0.0 && plan.predicted_step_ms > 0.0);
+        assert!(!plan.acceptance.is_empty());
+        if want.len() > 8 {
+            assert!(plan.replans > 0, "long generations re-plan");
+        }
+    }
+}
+
 /// (b) At T = 1 the first two generated tokens follow the target's own sampling distribution.
 /// Statistic: for each token, |empirical − p| in binomial standard deviations; bound 5σ per
 /// token (false alarm < 6e-7 per cell, < 4e-4 over the whole vocabulary of both positions);

@@ -27,6 +27,17 @@ pub struct VerifyConfig {
     pub max_dist_entries: usize,
     /// Emit JSON log lines.
     pub log_json: bool,
+    /// TLS certificate chain and private key (PEM); both empty = plaintext.
+    pub tls_cert: PathBuf,
+    pub tls_key: PathBuf,
+    /// CA (PEM) that client certificates must chain to; set = mutual TLS required.
+    pub tls_client_ca: PathBuf,
+    /// Accepted bearer tokens; with `auth_tokens_file`, none at all = no authentication.
+    pub auth_tokens: Vec<String>,
+    /// File with one accepted token per line (e.g. a mounted Kubernetes Secret).
+    pub auth_tokens_file: PathBuf,
+    /// Prometheus `/metrics` address, e.g. 0.0.0.0:9090; empty = off.
+    pub metrics_listen: String,
 }
 
 impl Default for VerifyConfig {
@@ -42,6 +53,12 @@ impl Default for VerifyConfig {
             max_tree_levels: 32,
             max_dist_entries: 1024,
             log_json: false,
+            tls_cert: PathBuf::new(),
+            tls_key: PathBuf::new(),
+            tls_client_ca: PathBuf::new(),
+            auth_tokens: Vec::new(),
+            auth_tokens_file: PathBuf::new(),
+            metrics_listen: String::new(),
         }
     }
 }

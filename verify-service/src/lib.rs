@@ -17,12 +17,14 @@ use anyhow::Context;
 use config::VerifyConfig;
 use sequoia_proto::v1::verifier_server::VerifierServer;
 use sequoia_shared::engine::{LoadOptions, Model};
+use sequoia_shared::security;
 use sequoia_shared::tokenizer::TextTokenizer;
 use service::{VerifierService, VerifyState};
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 
 /// Largest gRPC message accepted (a 1024-node tree with 1024-entry q's is ~8 MB).
 pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
@@ -47,7 +49,8 @@ pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
 }
 
 /// Serve Verifier + health + reflection on `listener` until `shutdown` resolves; then stop
-/// taking sessions and let open ones finish.
+/// taking sessions and let open ones finish. TLS, mutual TLS, bearer tokens and the metrics
+/// endpoint follow the config (`tls_*`, `auth_*`, `metrics_listen`).
 pub async fn serve(
     state: Arc<VerifyState>,
     listener: TcpListener,
@@ -60,9 +63,17 @@ pub async fn serve(
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(sequoia_proto::FILE_DESCRIPTOR_SET)
         .build_v1()?;
-    let verifier = VerifierServer::new(VerifierService::new(state.clone()))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let config = &state.config;
+    let tls = security::server_tls(&config.tls_cert, &config.tls_key, &config.tls_client_ca)?;
+    let tokens = security::TokenCheck::load(&config.auth_tokens, &config.auth_tokens_file)?;
+    // The token check guards the Verifier only: health and reflection stay open for probes.
+    let verifier = InterceptedService::new(
+        VerifierServer::new(VerifierService::new(state.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        tokens.clone(),
+    );
+    let _metrics = state.metrics.spawn_server(&config.metrics_listen).await?;
     let drain_state = state.clone();
     let shutdown = async move {
         shutdown.await;
@@ -72,8 +83,20 @@ pub async fn serve(
             .await;
         tracing::info!("shutting down: no new sessions, open sessions finish");
     };
-    tracing::info!(addr = %listener.local_addr()?, model = %state.model.info().name, "verify-service listening");
-    tonic::transport::Server::builder()
+    tracing::info!(
+        addr = %listener.local_addr()?,
+        model = %state.model.info().name,
+        tls = tls.is_some(),
+        mutual_tls = security::given(&config.tls_client_ca).is_some(),
+        auth = tokens.is_enabled(),
+        metrics = ?_metrics.as_ref().map(|m| m.addr),
+        "verify-service listening"
+    );
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls)?;
+    }
+    server
         .tcp_nodelay(true)
         .add_service(health)
         .add_service(reflection)

@@ -5,16 +5,17 @@ use crate::config::VerifyConfig;
 use crate::session::{SessionError, SessionLimits, VerifySession};
 use sequoia_proto::v1::verifier_server::Verifier;
 use sequoia_proto::v1::{
-    session_request, session_response, InfoRequest, InfoResponse, ProfileRequest, ProfileResponse,
-    SessionOpened, SessionRequest, SessionResponse, Verdict as PbVerdict,
+    session_request, session_response, InfoRequest, InfoResponse, PingRequest, PingResponse,
+    ProfileRequest, ProfileResponse, SessionOpened, SessionRequest, SessionResponse,
+    Verdict as PbVerdict,
 };
 use sequoia_shared::engine::Model;
-use sequoia_shared::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
+use sequoia_shared::metrics::Metrics;
 use sequoia_shared::sampling::{SamplingParams, SparseDist};
 use sequoia_shared::tokenizer::TextTokenizer;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -28,12 +29,15 @@ pub struct VerifyState {
     pub active: AtomicUsize,
     /// Set on shutdown: no new sessions.
     pub draining: AtomicBool,
+    /// Prometheus series (recording is a no-op when `metrics_listen` is empty).
+    pub metrics: Metrics,
     next_session: AtomicUsize,
 }
 
 impl VerifyState {
     pub fn new(model: Model, tokenizer: TextTokenizer, config: VerifyConfig) -> Self {
         Self {
+            metrics: Metrics::for_listen("verify-service", &config.metrics_listen),
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
             config,
@@ -70,7 +74,10 @@ impl Slot {
                 (n < max).then_some(n + 1)
             });
         match taken {
-            Ok(_) => Ok(Slot(state.clone())),
+            Ok(_) => {
+                state.metrics.session_started();
+                Ok(Slot(state.clone()))
+            }
             Err(n) => Err(Status::resource_exhausted(format!(
                 "verify node is at its session limit ({n} of {max} active); retry later or use another node"
             ))),
@@ -81,6 +88,7 @@ impl Slot {
 impl Drop for Slot {
     fn drop(&mut self) {
         self.0.active.fetch_sub(1, Ordering::SeqCst);
+        self.0.metrics.session_ended();
     }
 }
 
@@ -180,6 +188,11 @@ async fn run_session(
         .await?;
         session = back;
         let r = result.map_err(to_status)?;
+        state.metrics.step(
+            r.verdict.accepted.len() + 1,
+            r.verdict.ranks.iter().copied(),
+            Duration::from_secs_f64(r.verify_ms / 1e3),
+        );
         let verdict = PbVerdict {
             step: r.step,
             accepted_nodes: r.verdict.accepted.iter().map(|&i| i as u32).collect(),
@@ -208,6 +221,7 @@ impl Verifier for VerifierService {
         &self,
         request: Request<Streaming<SessionRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
+        self.state.metrics.request();
         let slot = Slot::acquire(&self.state)?;
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
@@ -246,6 +260,18 @@ impl Verifier for VerifierService {
         }))
     }
 
+    async fn ping(&self, request: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
+        let n = request.into_inner().reply_bytes as usize;
+        if n > 8 << 20 {
+            return Err(Status::invalid_argument(format!(
+                "reply_bytes: {n} exceeds 8 MiB"
+            )));
+        }
+        Ok(Response::new(PingResponse {
+            payload: vec![0u8; n],
+        }))
+    }
+
     async fn profile(
         &self,
         request: Request<ProfileRequest>,
@@ -279,48 +305,14 @@ impl Verifier for VerifierService {
         let _slot = Slot::acquire(&self.state)?;
         let model = s.model.clone();
         let sizes = req.tree_sizes.clone();
-        let times = blocking(move || profile_forward(&model, &sizes, ctx, repeats))
-            .await?
-            .map_err(|e| Status::internal(e.to_string()))?;
+        let times = blocking(move || {
+            sequoia_shared::profiling::measure_verify(&model, &sizes, ctx, repeats)
+        })
+        .await?
+        .map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(ProfileResponse {
             tree_sizes: req.tree_sizes,
             forward_ms: times,
         }))
     }
-}
-
-/// Median forward time of Sequoia-shaped trees of each size at the given context length.
-pub fn profile_forward(
-    model: &Model,
-    sizes: &[u32],
-    context: usize,
-    repeats: usize,
-) -> Result<Vec<f64>, sequoia_shared::engine::EngineError> {
-    let vocab = model.info().vocab_size as u32;
-    let mut cache = model.new_cache();
-    let filler: Vec<u32> = (0..context as u32)
-        .map(|i| (i * 7919 + 13) % vocab)
-        .collect();
-    if !filler.is_empty() {
-        model.forward_chain_last(&mut cache, &filler)?;
-    }
-    let largest = *sizes.iter().max().unwrap_or(&1) as usize;
-    let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, largest, 16).expect("example vector is valid");
-    let mut out = Vec::with_capacity(sizes.len());
-    for &n in sizes {
-        let tree = dp.tree(n as usize, 16);
-        let tokens: Vec<u32> = (0..tree.len() as u32)
-            .map(|i| (i * 104_729 + 7) % vocab)
-            .collect();
-        let mut times = Vec::with_capacity(repeats);
-        for _ in 0..repeats {
-            let t0 = Instant::now();
-            model.forward_tree(&mut cache, &tokens, &tree)?;
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
-            cache.truncate(context);
-        }
-        times.sort_by(f64::total_cmp);
-        out.push(times[times.len() / 2]);
-    }
-    Ok(out)
 }

@@ -73,8 +73,10 @@ const _: () = {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct ActK {
     qs: [i8; 256],
+    /// Σ qs over each 16 values (Q6_K's offset of 32).
     bsums16: [i16; 16],
-    bsums32: [i16; 8],
+    /// `d · Σ qs` over each 32 values (Q4_K's mins).
+    dbs32: [f32; 8],
     d: f32,
 }
 
@@ -85,6 +87,33 @@ pub(crate) struct Act32 {
     qs: [i8; 32],
     d: f32,
     dsum: f32,
+}
+
+/// Per block, the scales of the (up to) four input rows of a row tile, side by side so a kernel
+/// loads them with one instruction. `d`: the rows' scales; `e`: their `dsum` (Act32 only).
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Aux {
+    d: [f32; 4],
+    e: [f32; 4],
+}
+
+/// Input rows per kernel call (a row tile).
+pub(crate) const ROW_TILE: usize = 4;
+
+/// Build the [`Aux`] table: `kb` entries per row tile of four rows (missing rows are zero).
+pub(crate) fn build_aux<F: QFormat>(acts: &[F::Act], m: usize, kb: usize) -> Vec<Aux> {
+    let tiles = m.div_ceil(ROW_TILE);
+    let mut aux = vec![Aux::default(); tiles * kb];
+    for r in 0..m {
+        let (t, i) = (r / ROW_TILE, r % ROW_TILE);
+        for b in 0..kb {
+            let (d, e) = F::act_scales(&acts[r * kb + b]);
+            aux[t * kb + b].d[i] = d;
+            aux[t * kb + b].e[i] = e;
+        }
+    }
+    aux
 }
 
 #[inline]
@@ -116,13 +145,19 @@ pub(crate) trait QFormat: Copy + Send + Sync + std::fmt::Debug + 'static {
     fn act_zero() -> Self::Act;
     /// Quantize `x` (`out.len() * BLOCK` values).
     fn quantize_act(x: &[f32], out: &mut [Self::Act]);
+    /// The (`d`, `e`) pair [`Aux`] carries for one input block.
+    fn act_scales(a: &Self::Act) -> (f32, f32);
     /// Expand `w` into `out` (`w.len() * BLOCK` values).
     fn dequantize(w: &[Self], out: &mut [f32]);
     /// `R` dot products of weight row `w` with input rows `xs` (portable).
     fn dot_scalar<const R: usize>(w: &[Self], xs: [&[Self::Act]; R]) -> [f32; R];
-    /// The same, with AVX2. Safety: the CPU must support AVX2, FMA and F16C.
+    /// The same with AVX2, for `R <= 4` rows whose [`Aux`] entries are `aux` (one per block).
+    /// A row's result does not depend on `R` or on the other rows (bit for bit).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Self::Act]; R]) -> [f32; R];
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Self::Act]; R], aux: &[Aux]) -> [f32; R];
 }
 
 fn quantize_k(x: &[f32], out: &mut [ActK]) {
@@ -132,7 +167,7 @@ fn quantize_k(x: &[f32], out: &mut [ActK]) {
             *s = q.iter().map(|&v| v as i16).sum();
         }
         for i in 0..8 {
-            a.bsums32[i] = a.bsums16[2 * i] + a.bsums16[2 * i + 1];
+            a.dbs32[i] = a.d * (a.bsums16[2 * i] + a.bsums16[2 * i + 1]) as f32;
         }
     }
 }
@@ -157,6 +192,26 @@ fn q4k_scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
     }
 }
 
+/// All eight Q4_K (scales, mins) at once, branch-free: `[s0..s7, m0..m7]`.
+#[inline]
+fn q4k_scales_mins(q: &[u8; 12]) -> [u8; 16] {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let rd = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
+    let (u0, u1, u2) = (rd(0), rd(1), rd(2));
+    let u3 = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let mins_lo = u1 & KMASK1;
+    let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let sc_lo = u0 & KMASK1;
+    let mut out = [0u8; 16];
+    out[0..4].copy_from_slice(&sc_lo.to_le_bytes());
+    out[4..8].copy_from_slice(&sc_hi.to_le_bytes());
+    out[8..12].copy_from_slice(&mins_lo.to_le_bytes());
+    out[12..16].copy_from_slice(&u3.to_le_bytes());
+    out
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
@@ -171,15 +226,37 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn hsum8(x: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-        hsum4(s)
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn hsum4(s: __m128) -> f32 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
+    }
+
+    /// Four rows' 8-lane i32 sums → `[r0 r1 r2 r3 | r0 r1 r2 r3]` partial sums (each row's
+    /// lanes are added only among themselves, so a row's result ignores the others).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn reduce4(s: [__m256i; 4]) -> __m256 {
+        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        _mm256_cvtepi32_ps(h)
+    }
+
+    /// `[v0 v1 v2 v3 | v0 v1 v2 v3]` from four floats.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn bcast4(v: &[f32; 4]) -> __m256 {
+        // SAFETY: `v` is 16 readable bytes.
+        unsafe { _mm256_broadcast_ps(&*(v.as_ptr() as *const __m128)) }
+    }
+
+    /// Per-row results from the `[r0..r3 | r0..r3]` accumulator.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn lanes4(acc: __m256) -> [f32; 4] {
+        let s = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+        let mut out = [0f32; 4];
+        // SAFETY: `out` is 16 writable bytes.
+        unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
+        out
     }
 
     /// Unaligned 32-byte load.
@@ -221,22 +298,34 @@ mod x86 {
     }
 }
 
+const KZERO: ActK = ActK {
+    qs: [0; 256],
+    bsums16: [0; 16],
+    dbs32: [0.0; 8],
+    d: 0.0,
+};
+
+const ZERO32: Act32 = Act32 {
+    qs: [0; 32],
+    d: 0.0,
+    dsum: 0.0,
+};
+
 impl QFormat for BlockQ4K {
     type Act = ActK;
     const BLOCK: usize = QK_K;
     const NAME: &'static str = "Q4K";
 
     fn act_zero() -> ActK {
-        ActK {
-            qs: [0; 256],
-            bsums16: [0; 16],
-            bsums32: [0; 8],
-            d: 0.0,
-        }
+        KZERO
     }
 
     fn quantize_act(x: &[f32], out: &mut [ActK]) {
         quantize_k(x, out)
+    }
+
+    fn act_scales(a: &ActK) -> (f32, f32) {
+        (a.d, 0.0)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -262,10 +351,10 @@ impl QFormat for BlockQ4K {
         for (bi, b) in w.iter().enumerate() {
             let d = f16_to_f32(b.d);
             let dmin = f16_to_f32(b.dmin);
-            let sm: Vec<(u8, u8)> = (0..8).map(|j| q4k_scale_min(j, &b.scales)).collect();
+            let sm = q4k_scales_mins(&b.scales);
             for (o, x) in out.iter_mut().zip(xs) {
                 let a = &x[bi];
-                let (mut sumi, mut summ) = (0i32, 0i32);
+                let mut sumi = 0i32;
                 for j in 0..4 {
                     let (mut lo, mut hi) = (0i32, 0i32);
                     for l in 0..32 {
@@ -273,12 +362,10 @@ impl QFormat for BlockQ4K {
                         lo += (q & 0xF) as i32 * a.qs[64 * j + l] as i32;
                         hi += (q >> 4) as i32 * a.qs[64 * j + 32 + l] as i32;
                     }
-                    sumi += sm[2 * j].0 as i32 * lo + sm[2 * j + 1].0 as i32 * hi;
+                    sumi += sm[2 * j] as i32 * lo + sm[2 * j + 1] as i32 * hi;
                 }
-                for (j, &(_, m)) in sm.iter().enumerate() {
-                    summ += m as i32 * a.bsums32[j] as i32;
-                }
-                *o += d * a.d * sumi as f32 - dmin * a.d * summ as f32;
+                let mins: f32 = (0..8).map(|j| sm[8 + j] as f32 * a.dbs32[j]).sum();
+                *o += d * a.d * sumi as f32 - dmin * mins;
             }
         }
         out
@@ -286,28 +373,29 @@ impl QFormat for BlockQ4K {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R], aux: &[Aux]) -> [f32; R] {
         use x86::*;
         let m4 = _mm256_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut accm = [_mm_setzero_ps(); R];
+        let mut acc = _mm256_setzero_ps();
+        let mut accm = [_mm256_setzero_ps(); R];
         for (bi, b) in w.iter().enumerate() {
             let d = f16x1(b.d);
             let dmin = f16x1(b.dmin);
-            let mut sc = [0u8; 8];
-            let mut mn = [0u8; 8];
-            for j in 0..8 {
-                (sc[j], mn[j]) = q4k_scale_min(j, &b.scales);
-            }
-            let mins = _mm_cvtepu8_epi16(_mm_loadl_epi64(mn.as_ptr() as *const __m128i));
-            let mut sumi = [_mm256_setzero_si256(); R];
+            let sm = q4k_scales_mins(&b.scales);
+            // SAFETY: `sm` has 16 bytes; the mins are its upper 8.
+            let mins = unsafe { _mm_loadl_epi64(sm.as_ptr().add(8) as *const __m128i) };
+            let minf = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)),
+                _mm256_set1_ps(dmin),
+            );
+            let mut s = [_mm256_setzero_si256(); 4];
             for j in 0..4 {
                 // SAFETY: qs has 128 bytes; 32 * j + 32 <= 128.
                 let q = unsafe { load32(b.qs.as_ptr().add(32 * j)) };
                 let lo = _mm256_and_si256(q, m4);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                let s_lo = _mm256_set1_epi16(sc[2 * j] as i16);
-                let s_hi = _mm256_set1_epi16(sc[2 * j + 1] as i16);
+                let s_lo = _mm256_set1_epi16(sm[2 * j] as i16);
+                let s_hi = _mm256_set1_epi16(sm[2 * j + 1] as i16);
                 for r in 0..R {
                     let a = &xs[r][bi];
                     // SAFETY: a.qs has 256 bytes; 64 * j + 64 <= 256.
@@ -319,22 +407,21 @@ impl QFormat for BlockQ4K {
                     };
                     let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, yl), s_lo);
                     let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yh), s_hi);
-                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_add_epi32(pl, ph));
+                    s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(pl, ph));
                 }
             }
+            let dv = _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&aux[bi].d));
+            acc = _mm256_fmadd_ps(reduce4(s), dv, acc);
             for r in 0..R {
-                let a = &xs[r][bi];
-                acc[r] =
-                    _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-                // SAFETY: bsums32 is 16 bytes.
-                let bs = unsafe { _mm_loadu_si128(a.bsums32.as_ptr() as *const __m128i) };
-                let pm = _mm_madd_epi16(mins, bs);
-                accm[r] = _mm_fmadd_ps(_mm_set1_ps(dmin * a.d), _mm_cvtepi32_ps(pm), accm[r]);
+                // SAFETY: dbs32 is 8 floats.
+                let bs = unsafe { _mm256_loadu_ps(xs[r][bi].dbs32.as_ptr()) };
+                accm[r] = _mm256_fmadd_ps(minf, bs, accm[r]);
             }
         }
+        let lanes = lanes4(acc);
         let mut out = [0f32; R];
         for r in 0..R {
-            out[r] = hsum8(acc[r]) - hsum4(accm[r]);
+            out[r] = lanes[r] - hsum8(accm[r]);
         }
         out
     }
@@ -346,11 +433,15 @@ impl QFormat for BlockQ6K {
     const NAME: &'static str = "Q6K";
 
     fn act_zero() -> ActK {
-        BlockQ4K::act_zero()
+        KZERO
     }
 
     fn quantize_act(x: &[f32], out: &mut [ActK]) {
         quantize_k(x, out)
+    }
+
+    fn act_scales(a: &ActK) -> (f32, f32) {
+        (a.d, 0.0)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -409,17 +500,17 @@ impl QFormat for BlockQ6K {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R], aux: &[Aux]) -> [f32; R] {
         use x86::*;
         let m4 = _mm256_set1_epi8(0x0F);
         let m3 = _mm256_set1_epi8(0x03);
-        let mut acc = [_mm256_setzero_ps(); R];
+        let mut acc = _mm256_setzero_ps();
         for (bi, b) in w.iter().enumerate() {
             let d = f16x1(b.d);
             // SAFETY: scales has 16 bytes.
             let sc8 = unsafe { _mm_loadu_si128(b.scales.as_ptr() as *const __m128i) };
             let sc16 = _mm256_cvtepi8_epi16(sc8);
-            let mut sumi = [_mm256_setzero_si256(); R];
+            let mut s = [_mm256_setzero_si256(); 4];
             for h in 0..2 {
                 // SAFETY: ql has 128 bytes, qh 64: 64h + 64 <= 128, 32h + 32 <= 64.
                 let (ql0, ql1, qh) = unsafe {
@@ -429,49 +520,62 @@ impl QFormat for BlockQ6K {
                         load32(b.qh.as_ptr().add(32 * h)),
                     )
                 };
-                let hb = |shift: i32| -> __m256i {
-                    let v = match shift {
-                        0 => qh,
-                        2 => _mm256_srli_epi16(qh, 2),
-                        4 => _mm256_srli_epi16(qh, 4),
-                        _ => _mm256_srli_epi16(qh, 6),
-                    };
-                    _mm256_slli_epi16(_mm256_and_si256(v, m3), 4)
-                };
+                let hb = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, m3), 4);
                 let q = [
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(0)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), hb(4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), hb(6)),
+                    _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(qh)),
+                    _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(_mm256_srli_epi16(qh, 2))),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                        hb(_mm256_srli_epi16(qh, 4)),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                        hb(_mm256_srli_epi16(qh, 6)),
+                    ),
                 ];
                 for (t, qt) in q.iter().enumerate() {
-                    let s = 8 * h + 2 * t;
-                    let scv = _mm256_set_m128i(
-                        _mm_set1_epi16(b.scales[s + 1] as i16),
-                        _mm_set1_epi16(b.scales[s] as i16),
+                    // Scales of sub-blocks s, s + 1 as [s ×8 | s+1 ×8] i16 lanes.
+                    let sb = (8 * h + 2 * t) as i8;
+                    let pick = _mm_setr_epi8(
+                        sb,
+                        sb,
+                        sb,
+                        sb,
+                        sb,
+                        sb,
+                        sb,
+                        sb,
+                        sb + 1,
+                        sb + 1,
+                        sb + 1,
+                        sb + 1,
+                        sb + 1,
+                        sb + 1,
+                        sb + 1,
+                        sb + 1,
                     );
+                    let scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
                     for r in 0..R {
                         let a = &xs[r][bi];
                         // SAFETY: a.qs has 256 bytes; 128h + 32t + 32 <= 256.
                         let y = unsafe { load32(a.qs.as_ptr().add(128 * h + 32 * t)) };
                         let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qt, y), scv);
-                        sumi[r] = _mm256_add_epi32(sumi[r], p);
+                        s[r] = _mm256_add_epi32(s[r], p);
                     }
                 }
             }
             for r in 0..R {
-                let a = &xs[r][bi];
                 // SAFETY: bsums16 has 32 bytes.
-                let bs = unsafe { load32(a.bsums16.as_ptr()) };
+                let bs = unsafe { load32(xs[r][bi].bsums16.as_ptr()) };
                 let off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-                let s = _mm256_sub_epi32(sumi[r], off);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(s), acc[r]);
+                s[r] = _mm256_sub_epi32(s[r], off);
             }
+            let dv = _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&aux[bi].d));
+            acc = _mm256_fmadd_ps(reduce4(s), dv, acc);
         }
+        let lanes = lanes4(acc);
         let mut out = [0f32; R];
-        for r in 0..R {
-            out[r] = hsum8(acc[r]);
-        }
+        out.copy_from_slice(&lanes[..R]);
         out
     }
 }
@@ -482,15 +586,15 @@ impl QFormat for BlockQ5_0 {
     const NAME: &'static str = "Q5_0";
 
     fn act_zero() -> Act32 {
-        Act32 {
-            qs: [0; 32],
-            d: 0.0,
-            dsum: 0.0,
-        }
+        ZERO32
     }
 
     fn quantize_act(x: &[f32], out: &mut [Act32]) {
         quantize_32(x, out)
+    }
+
+    fn act_scales(a: &Act32) -> (f32, f32) {
+        (a.d, a.dsum)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -533,30 +637,41 @@ impl QFormat for BlockQ5_0 {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R], aux: &[Aux]) -> [f32; R] {
         use x86::*;
         let ones = _mm256_set1_epi16(1);
         let fifth = _mm256_set1_epi8(0x10);
-        let mut acc = [_mm256_setzero_ps(); R];
-        let mut off = [0f32; R];
+        let mut acc = _mm256_setzero_ps();
+        let mut off = _mm_setzero_ps();
         for (bi, b) in w.iter().enumerate() {
             let d = f16x1(b.d);
             // SAFETY: qs has 16 bytes.
             let lo = unsafe { nibbles32(b.qs.as_ptr()) };
             let hi = _mm256_and_si256(bits32(u32::from_le_bytes(b.qh)), fifth);
             let q = _mm256_or_si256(lo, hi);
+            let mut p = [_mm256_setzero_si256(); 4];
             for r in 0..R {
-                let a = &xs[r][bi];
-                // SAFETY: a.qs has 32 bytes.
-                let y = unsafe { load32(a.qs.as_ptr()) };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[r]);
-                off[r] += d * a.dsum;
+                // SAFETY: qs has 32 bytes.
+                let y = unsafe { load32(xs[r][bi].qs.as_ptr()) };
+                p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
             }
+            let a = &aux[bi];
+            acc = _mm256_fmadd_ps(
+                reduce4(p),
+                _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&a.d)),
+                acc,
+            );
+            // SAFETY: `e` is 16 bytes.
+            let e = unsafe { _mm_load_ps(a.e.as_ptr()) };
+            off = _mm_fmadd_ps(_mm_set1_ps(d), e, off);
         }
+        let lanes = lanes4(acc);
+        let mut offs = [0f32; 4];
+        // SAFETY: 16 writable bytes.
+        unsafe { _mm_storeu_ps(offs.as_mut_ptr(), off) };
         let mut out = [0f32; R];
         for r in 0..R {
-            out[r] = hsum8(acc[r]) - 16.0 * off[r];
+            out[r] = lanes[r] - 16.0 * offs[r];
         }
         out
     }
@@ -568,11 +683,15 @@ impl QFormat for BlockQ8_0 {
     const NAME: &'static str = "Q8_0";
 
     fn act_zero() -> Act32 {
-        BlockQ5_0::act_zero()
+        ZERO32
     }
 
     fn quantize_act(x: &[f32], out: &mut [Act32]) {
         quantize_32(x, out)
+    }
+
+    fn act_scales(a: &Act32) -> (f32, f32) {
+        (a.d, a.dsum)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -603,28 +722,28 @@ impl QFormat for BlockQ8_0 {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R], aux: &[Aux]) -> [f32; R] {
         use x86::*;
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); R];
+        let mut acc = _mm256_setzero_ps();
         for (bi, b) in w.iter().enumerate() {
             let d = f16x1(b.d);
             // SAFETY: qs has 32 bytes.
             let q = unsafe { load32(b.qs.as_ptr()) };
             let aq = _mm256_sign_epi8(q, q);
+            let mut p = [_mm256_setzero_si256(); 4];
             for r in 0..R {
-                let a = &xs[r][bi];
-                // SAFETY: a.qs has 32 bytes.
-                let y = unsafe { load32(a.qs.as_ptr()) };
+                // SAFETY: qs has 32 bytes.
+                let y = unsafe { load32(xs[r][bi].qs.as_ptr()) };
                 let sy = _mm256_sign_epi8(y, q);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sy), ones);
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * a.d), _mm256_cvtepi32_ps(p), acc[r]);
+                p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sy), ones);
             }
+            let dv = _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&aux[bi].d));
+            acc = _mm256_fmadd_ps(reduce4(p), dv, acc);
         }
+        let lanes = lanes4(acc);
         let mut out = [0f32; R];
-        for r in 0..R {
-            out[r] = hsum8(acc[r]);
-        }
+        out.copy_from_slice(&lanes[..R]);
         out
     }
 }
@@ -647,8 +766,6 @@ pub(crate) fn has_avx2() -> bool {
     }
 }
 
-/// Rows per kernel call.
-const ROW_TILE: usize = 4;
 /// Columns per cache tile (weight rows revisited for every row tile).
 const COL_TILE: usize = 8;
 
@@ -690,34 +807,49 @@ impl OutPtr {
     }
 }
 
-/// The tiled loop over columns and rows shared by both paths; `$dot!(R, weight_row, rows)`
-/// computes `R` dot products.
+/// The tiled loop over columns and row tiles shared by both paths;
+/// `$dot!(R, weight_row, rows, aux)` computes `R` dot products.
 macro_rules! row_tiles {
-    ($dot:ident, $F:ty, $w:expr, $kb:expr, $cols:expr, $acts:expr, $m:expr, $out:expr) => {{
-        let (w, kb, cols, acts, m, out) = ($w, $kb, $cols, $acts, $m, $out);
+    ($dot:ident, $F:ty, $w:expr, $kb:expr, $cols:expr, $acts:expr, $aux:expr, $m:expr, $out:expr) => {{
+        let (w, kb, cols, acts, aux, m, out) = ($w, $kb, $cols, $acts, $aux, $m, $out);
         let row = |r: usize| -> &[<$F as QFormat>::Act] { &acts[r * kb..(r + 1) * kb] };
         let col = |c: usize| -> &[$F] { &w[c * kb..(c + 1) * kb] };
+        let aux_of = |t: usize| -> &[Aux] { &aux[t * kb..(t + 1) * kb] };
         for ct in cols.clone().step_by(COL_TILE) {
             let ce = (ct + COL_TILE).min(cols.end);
-            let mut r = 0;
-            while r + ROW_TILE <= m {
-                let xs = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                for c in ct..ce {
-                    let res = $dot!(4, col(c), xs);
-                    // SAFETY: this task owns columns `cols` (caller's contract).
-                    unsafe { out.store(r, c, &res) };
-                }
-                r += ROW_TILE;
-            }
-            if r < m {
-                for c in ct..ce {
-                    let res: &[f32] = match m - r {
-                        3 => &$dot!(3, col(c), [row(r), row(r + 1), row(r + 2)]),
-                        2 => &$dot!(2, col(c), [row(r), row(r + 1)]),
-                        _ => &$dot!(1, col(c), [row(r)]),
-                    };
-                    // SAFETY: as above.
-                    unsafe { out.store(r, c, res) };
+            for t in 0..m.div_ceil(ROW_TILE) {
+                let r = t * ROW_TILE;
+                let ax = aux_of(t);
+                match m - r {
+                    1 => {
+                        for c in ct..ce {
+                            let res = $dot!(1, col(c), [row(r)], ax);
+                            // SAFETY: this task owns columns `cols` (caller's contract).
+                            unsafe { out.store(r, c, &res) };
+                        }
+                    }
+                    2 => {
+                        for c in ct..ce {
+                            let res = $dot!(2, col(c), [row(r), row(r + 1)], ax);
+                            // SAFETY: as above.
+                            unsafe { out.store(r, c, &res) };
+                        }
+                    }
+                    3 => {
+                        for c in ct..ce {
+                            let res = $dot!(3, col(c), [row(r), row(r + 1), row(r + 2)], ax);
+                            // SAFETY: as above.
+                            unsafe { out.store(r, c, &res) };
+                        }
+                    }
+                    _ => {
+                        let xs = [row(r), row(r + 1), row(r + 2), row(r + 3)];
+                        for c in ct..ce {
+                            let res = $dot!(4, col(c), xs, ax);
+                            // SAFETY: as above.
+                            unsafe { out.store(r, c, &res) };
+                        }
+                    }
                 }
             }
         }
@@ -736,16 +868,17 @@ pub(crate) unsafe fn columns_avx2<F: QFormat>(
     kb: usize,
     cols: std::ops::Range<usize>,
     acts: &[F::Act],
+    aux: &[Aux],
     m: usize,
     out: OutPtr,
 ) {
     macro_rules! avx2 {
-        ($r:literal, $wc:expr, $xs:expr) => {
+        ($r:literal, $wc:expr, $xs:expr, $ax:expr) => {
             // SAFETY: the caller of `columns_avx2` guarantees the CPU features.
-            unsafe { F::dot_avx2::<$r>($wc, $xs) }
+            unsafe { F::dot_avx2::<$r>($wc, $xs, $ax) }
         };
     }
-    row_tiles!(avx2, F, w, kb, cols, acts, m, out);
+    row_tiles!(avx2, F, w, kb, cols, acts, aux, m, out);
 }
 
 /// Portable version of [`columns_avx2`].
@@ -758,13 +891,15 @@ pub(crate) unsafe fn columns_scalar<F: QFormat>(
     kb: usize,
     cols: std::ops::Range<usize>,
     acts: &[F::Act],
+    aux: &[Aux],
     m: usize,
     out: OutPtr,
 ) {
     macro_rules! scalar {
-        ($r:literal, $wc:expr, $xs:expr) => {
+        ($r:literal, $wc:expr, $xs:expr, $ax:expr) => {{
+            let _ = $ax;
             F::dot_scalar::<$r>($wc, $xs)
-        };
+        }};
     }
-    row_tiles!(scalar, F, w, kb, cols, acts, m, out);
+    row_tiles!(scalar, F, w, kb, cols, acts, aux, m, out);
 }

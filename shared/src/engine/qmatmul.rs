@@ -142,6 +142,7 @@ impl<F: QFormat> QKernel for FastQ<F> {
                 F::quantize_act(x, a);
             }
         }
+        let aux = qkernels::build_aux::<F>(&acts, m, kb);
         let w = &self.blocks;
         let avx2 = qkernels::has_avx2();
         for_column_chunks(n, m, dst, |cols, out| {
@@ -149,12 +150,12 @@ impl<F: QFormat> QKernel for FastQ<F> {
             if avx2 {
                 // SAFETY: `has_avx2` checked the CPU features; `for_column_chunks` gives each
                 // task its own columns of a live `m × n` output.
-                unsafe { qkernels::columns_avx2(w, kb, cols, &acts, m, out) };
+                unsafe { qkernels::columns_avx2(w, kb, cols, &acts, &aux, m, out) };
                 return;
             }
             let _ = avx2;
             // SAFETY: as above.
-            unsafe { qkernels::columns_scalar(w, kb, cols, &acts, m, out) };
+            unsafe { qkernels::columns_scalar(w, kb, cols, &acts, &aux, m, out) };
         });
     }
 
@@ -438,12 +439,15 @@ mod tests {
             for (a, x) in acts.chunks_mut(kb).zip(x.chunks(k)) {
                 F::quantize_act(x, a);
             }
+            let aux = qkernels::build_aux::<F>(&acts, m, kb);
             let mut fast = vec![0f32; m * n];
             let mut slow = vec![0f32; m * n];
             // SAFETY: features checked above; single-threaded, all columns.
             unsafe {
-                qkernels::columns_avx2(&blocks, kb, 0..n, &acts, m, OutPtr::new(&mut fast, n));
-                qkernels::columns_scalar(&blocks, kb, 0..n, &acts, m, OutPtr::new(&mut slow, n));
+                let out = OutPtr::new(&mut fast, n);
+                qkernels::columns_avx2(&blocks, kb, 0..n, &acts, &aux, m, out);
+                let out = OutPtr::new(&mut slow, n);
+                qkernels::columns_scalar(&blocks, kb, 0..n, &acts, &aux, m, out);
             }
             for (a, b) in fast.iter().zip(&slow) {
                 assert!(
@@ -482,5 +486,46 @@ mod tests {
         let x = Tensor::randn(0f32, 1.0, (2, 3, 64), &Device::Cpu).unwrap();
         let y = x.apply_op1_no_bwd(&QMatMulOp(kern.as_ref())).unwrap();
         assert_eq!(y.dims(), &[2, 3, 16]);
+    }
+}
+
+#[cfg(test)]
+mod bench {
+    use super::*;
+    use candle_core::quantized::QTensor;
+    use candle_core::{Device, Tensor};
+
+    /// `cargo test --release -p sequoia-shared --lib qmatmul::bench -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn kernel_throughput() {
+        let (n, k) = (8960, 1536);
+        for dtype in [
+            GgmlDType::Q4K,
+            GgmlDType::Q6K,
+            GgmlDType::Q5_0,
+            GgmlDType::Q8_0,
+        ] {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+            let qt = QTensor::quantize(&w, dtype).unwrap();
+            let kern = kernel_from_bytes(dtype, n, k, &qt.data().unwrap()).unwrap();
+            for m in [1usize, 4, 16, 64] {
+                let x = vec![0.5f32; m * k];
+                let mut y = vec![0f32; m * n];
+                kern.matmul(m, &x, &mut y);
+                let reps = 20;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    kern.matmul(m, &x, &mut y);
+                }
+                let s = t.elapsed().as_secs_f64() / reps as f64;
+                let gmacs = (m * n * k) as f64 / s / 1e9;
+                println!(
+                    "{dtype:?} m={m:3}: {:8.3} ms  {gmacs:6.1} GMAC/s  {:6.3} ms/row",
+                    s * 1e3,
+                    s * 1e3 / m as f64
+                );
+            }
+        }
     }
 }

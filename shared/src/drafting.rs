@@ -1,13 +1,14 @@
 //! The draft side of one generation: the draft model's KV cache, growing a token tree level by
-//! level (ALGORITHMS.md §3), and following the verify node's verdict. Plain library code with
-//! no networking.
+//! level (ALGORITHMS.md §3), and following the verifier's verdict. Plain library code with no
+//! networking: draft-service runs it against remote verify nodes, `sequoia tree
+//! measure-acceptance` against a local target.
 
-use sequoia_shared::engine::{EngineError, KvCache, Model};
-use sequoia_shared::sampling::{
+use crate::engine::{EngineError, KvCache, Model};
+use crate::sampling::{
     greedy_top_k, probs_from_logits, sample_without_replacement, SamplingParams, SessionRng,
     SparseDist, DRAFT_STREAM,
 };
-use sequoia_shared::tree::{Tree, TreeLimits};
+use crate::tree::{Tree, TreeLimits};
 
 /// A drafted tree ready to send: shape, tokens, and q for every expanded node (empty at T = 0).
 #[derive(Debug, Clone)]
@@ -31,6 +32,10 @@ pub enum DraftError {
 
 pub struct DraftSession {
     cache: KvCache,
+    /// Committed tokens the draft model has not processed yet. They are run lazily, right
+    /// before the next tree that needs the draft, so a root-only plan (no speculation) never
+    /// spends draft compute.
+    pending: Vec<u32>,
     rng: SessionRng,
     params: SamplingParams,
     wire_top_k: usize,
@@ -51,15 +56,16 @@ impl DraftSession {
         }
         Ok(Self {
             cache,
+            pending: Vec::new(),
             rng: SessionRng::new(seed, DRAFT_STREAM),
             params,
             wire_top_k,
         })
     }
 
-    /// Tokens in the draft's cache (committed context).
+    /// Committed context length (tokens before the next root), processed or pending.
     pub fn context_len(&self) -> usize {
-        self.cache.len()
+        self.cache.len() + self.pending.len()
     }
 
     /// Grow a tree of (at most) `shape` from `root`: one draft forward per level over that
@@ -77,6 +83,13 @@ impl DraftSession {
         let mut dists = Vec::new();
         let mut level_start = 0;
         let mut forwarded = 0;
+        if shape.len() > 1 && !self.pending.is_empty() {
+            let pending = std::mem::take(&mut self.pending);
+            if let Err(e) = model.forward_chain_last(&mut self.cache, &pending) {
+                self.pending = pending;
+                return Err(e);
+            }
+        }
         while level_start < parents.len() {
             let level_end = parents.len();
             let expand: Vec<usize> = (level_start..level_end)
@@ -136,15 +149,10 @@ impl DraftSession {
         })
     }
 
-    /// Follow the verdict: keep the root and the accepted path in the cache, and run the draft
-    /// over accepted tokens it has not processed yet (a deepest-level leaf, or the root of a
-    /// root-only tree), so the cache again holds exactly the committed context.
-    pub fn commit(
-        &mut self,
-        model: &Model,
-        drafted: &DraftedTree,
-        accepted: &[usize],
-    ) -> Result<(), DraftError> {
+    /// Follow the verdict: keep the root and the accepted path in the cache; accepted tokens the
+    /// draft has not processed (a deepest-level leaf, or the root of a root-only tree) become
+    /// pending, run right before the next tree that needs the draft.
+    pub fn commit(&mut self, drafted: &DraftedTree, accepted: &[usize]) -> Result<(), DraftError> {
         check_path(&drafted.tree, accepted)?;
         let f = drafted.forwarded;
         let mut path = Vec::with_capacity(accepted.len() + 1);
@@ -154,14 +162,8 @@ impl DraftSession {
         if f > 0 {
             self.cache.keep_newest(f, &keep)?;
         }
-        let missing: Vec<u32> = path
-            .iter()
-            .filter(|&&v| v >= f)
-            .map(|&v| drafted.tokens[v])
-            .collect();
-        if !missing.is_empty() {
-            model.forward_chain_last(&mut self.cache, &missing)?;
-        }
+        self.pending
+            .extend(path.iter().filter(|&&v| v >= f).map(|&v| drafted.tokens[v]));
         Ok(())
     }
 }

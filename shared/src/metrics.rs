@@ -1,0 +1,356 @@
+//! Prometheus metrics for both services: what an operator's dashboards and the autoscaler read.
+//!
+//! Why a handle instead of the `metrics` macros and a global recorder: a process can install
+//! only one global recorder, and the tests run a draft and several verify services in one process,
+//! each with its own `/metrics`. So every service owns a [`Metrics`] value holding its own
+//! Prometheus recorder and pre-registered series, and the services call the small recording
+//! methods below. A disabled [`Metrics`] (no `metrics_listen`) records nothing and costs nothing.
+//!
+//! Series (every one carries the label `service="draft-service"` or `"verify-service"`):
+//!
+//! | name | kind | recorded by |
+//! |---|---|---|
+//! | [`REQUESTS`] | counter | draft: `Generate` calls; verify: sessions opened |
+//! | [`GENERATED_TOKENS`] | counter | tokens committed (verify: per step; draft: per generation) |
+//! | [`STEPS`] | counter | verification steps (one tree each) |
+//! | [`TOKENS_PER_STEP`] | histogram | tokens committed per step |
+//! | [`ACCEPTED_BY_RANK`] | counter, `rank` | accepted tree nodes that were their parent's rank-th child |
+//! | [`TRIALS_BY_RANK`] | counter, `rank` | draft: verified nodes with at least `rank` children |
+//! | [`VERIFY_LATENCY`] | histogram, seconds | verify: forward + verification per step; draft: round trip per step |
+//! | [`ACTIVE_SESSIONS`] | gauge | open sessions (verify) / running generations (draft); the HPA metric |
+//! | [`QUEUE_DEPTH`] | gauge | requests waiting for a slot (0: the services refuse instead of queueing) |
+//! | [`FAILOVERS`] | counter | draft: sessions moved to another verify node |
+//!
+//! The draft side records from each generation's final summary, which carries totals rather than
+//! per-step values: its histograms get one observation per step at the generation's mean, so
+//! their `_sum` and `_count` are exact and their buckets approximate.
+
+use metrics::{Counter, Gauge, Histogram, Key, Label, Metadata, Recorder};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
+use std::net::SocketAddr;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+pub const REQUESTS: &str = "sequoia_requests_total";
+pub const GENERATED_TOKENS: &str = "sequoia_generated_tokens_total";
+pub const STEPS: &str = "sequoia_steps_total";
+pub const TOKENS_PER_STEP: &str = "sequoia_tokens_per_step";
+pub const ACCEPTED_BY_RANK: &str = "sequoia_accepted_by_rank_total";
+pub const TRIALS_BY_RANK: &str = "sequoia_trials_by_rank_total";
+pub const VERIFY_LATENCY: &str = "sequoia_verify_latency_seconds";
+pub const ACTIVE_SESSIONS: &str = "sequoia_active_sessions";
+pub const QUEUE_DEPTH: &str = "sequoia_queue_depth";
+pub const FAILOVERS: &str = "sequoia_failovers_total";
+
+/// Every series name, for tests and docs.
+pub const ALL: [&str; 10] = [
+    REQUESTS,
+    GENERATED_TOKENS,
+    STEPS,
+    TOKENS_PER_STEP,
+    ACCEPTED_BY_RANK,
+    TRIALS_BY_RANK,
+    VERIFY_LATENCY,
+    ACTIVE_SESSIONS,
+    QUEUE_DEPTH,
+    FAILOVERS,
+];
+
+/// Ranks above this share the last `rank` label value (keeps the label set bounded).
+const MAX_RANK_LABEL: usize = 16;
+
+const TOKENS_PER_STEP_BUCKETS: [f64; 10] = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0];
+const LATENCY_BUCKETS: [f64; 14] = [
+    0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+];
+
+static METADATA: Metadata<'static> =
+    Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
+
+/// One service's metrics; cheap to clone.
+#[derive(Clone, Default)]
+pub struct Metrics(Option<Arc<Inner>>);
+
+struct Inner {
+    recorder: PrometheusRecorder,
+    requests: Counter,
+    tokens: Counter,
+    steps: Counter,
+    tokens_per_step: Histogram,
+    latency: Histogram,
+    active: Gauge,
+    queue: Gauge,
+    failovers: Counter,
+    accepted: Vec<Counter>,
+    trials: Vec<Counter>,
+    addr: OnceLock<SocketAddr>,
+}
+
+impl Metrics {
+    /// Records nothing.
+    pub fn disabled() -> Self {
+        Self(None)
+    }
+
+    /// A fresh registry for `service` with every series registered (so dashboards and the HPA
+    /// see zeros rather than missing series before the first request).
+    pub fn new(service: &str) -> Self {
+        let recorder = PrometheusBuilder::new()
+            .add_global_label("service", service)
+            .set_buckets_for_metric(
+                Matcher::Full(TOKENS_PER_STEP.into()),
+                &TOKENS_PER_STEP_BUCKETS,
+            )
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(VERIFY_LATENCY.into()), &LATENCY_BUCKETS)
+            })
+            .expect("bucket lists are non-empty")
+            .build_recorder();
+        let key = |name: &'static str| Key::from_static_name(name);
+        let ranked = |name: &'static str| -> Vec<Counter> {
+            (1..=MAX_RANK_LABEL)
+                .map(|r| {
+                    let label = Label::new("rank", r.to_string());
+                    recorder.register_counter(&Key::from_parts(name, vec![label]), &METADATA)
+                })
+                .collect()
+        };
+        let inner = Inner {
+            requests: recorder.register_counter(&key(REQUESTS), &METADATA),
+            tokens: recorder.register_counter(&key(GENERATED_TOKENS), &METADATA),
+            steps: recorder.register_counter(&key(STEPS), &METADATA),
+            tokens_per_step: recorder.register_histogram(&key(TOKENS_PER_STEP), &METADATA),
+            latency: recorder.register_histogram(&key(VERIFY_LATENCY), &METADATA),
+            active: recorder.register_gauge(&key(ACTIVE_SESSIONS), &METADATA),
+            queue: recorder.register_gauge(&key(QUEUE_DEPTH), &METADATA),
+            failovers: recorder.register_counter(&key(FAILOVERS), &METADATA),
+            accepted: ranked(ACCEPTED_BY_RANK),
+            trials: ranked(TRIALS_BY_RANK),
+            addr: OnceLock::new(),
+            recorder,
+        };
+        inner.queue.set(0.0);
+        Self(Some(Arc::new(inner)))
+    }
+
+    /// Enabled when `listen` is non-empty.
+    pub fn for_listen(service: &str, listen: &str) -> Self {
+        if listen.trim().is_empty() {
+            Self::disabled()
+        } else {
+            Self::new(service)
+        }
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// The Prometheus text exposition of every series (empty when disabled).
+    pub fn render(&self) -> String {
+        self.0
+            .as_ref()
+            .map(|i| i.recorder.handle().render())
+            .unwrap_or_default()
+    }
+
+    /// A request (draft: `Generate` call; verify: session) arrived.
+    pub fn request(&self) {
+        if let Some(i) = &self.0 {
+            i.requests.increment(1);
+        }
+    }
+
+    /// A session (verify) or generation (draft) started holding a slot.
+    pub fn session_started(&self) {
+        if let Some(i) = &self.0 {
+            i.active.increment(1.0);
+        }
+    }
+
+    /// ... and released it.
+    pub fn session_ended(&self) {
+        if let Some(i) = &self.0 {
+            i.active.decrement(1.0);
+        }
+    }
+
+    /// Requests waiting for a slot.
+    pub fn set_queue_depth(&self, n: usize) {
+        if let Some(i) = &self.0 {
+            i.queue.set(n as f64);
+        }
+    }
+
+    /// A session moved to another verify node.
+    pub fn failover(&self) {
+        if let Some(i) = &self.0 {
+            i.failovers.increment(1);
+        }
+    }
+
+    /// One verification step: `tokens` committed, the accepted nodes' `ranks` (1-based), and how
+    /// long verification took.
+    pub fn step(&self, tokens: usize, ranks: impl IntoIterator<Item = usize>, latency: Duration) {
+        let Some(i) = &self.0 else { return };
+        i.steps.increment(1);
+        i.tokens.increment(tokens as u64);
+        i.tokens_per_step.record(tokens as f64);
+        i.latency.record(latency.as_secs_f64());
+        for r in ranks {
+            i.rank_counter(&i.accepted, r).increment(1);
+        }
+    }
+
+    /// One finished generation, from its summary totals (draft side; see the module docs).
+    /// `accepted_by_rank[r]` / `trials_by_rank[r]` count rank r + 1; `round_trip` is the total
+    /// time spent waiting for verdicts.
+    pub fn generation(
+        &self,
+        tokens: u64,
+        steps: u64,
+        accepted_by_rank: &[u64],
+        trials_by_rank: &[u64],
+        round_trip: Duration,
+    ) {
+        let Some(i) = &self.0 else { return };
+        i.tokens.increment(tokens);
+        i.steps.increment(steps);
+        for (r, &n) in accepted_by_rank.iter().enumerate() {
+            i.rank_counter(&i.accepted, r + 1).increment(n);
+        }
+        for (r, &n) in trials_by_rank.iter().enumerate() {
+            i.rank_counter(&i.trials, r + 1).increment(n);
+        }
+        if steps > 0 {
+            let per_step = tokens as f64 / steps as f64;
+            let latency = round_trip.as_secs_f64() / steps as f64;
+            for _ in 0..steps {
+                i.tokens_per_step.record(per_step);
+                i.latency.record(latency);
+            }
+        }
+    }
+
+    /// Where [`serve`](Self::serve) listens, once it does.
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.0.as_ref().and_then(|i| i.addr.get().copied())
+    }
+
+    /// Bind `listen` and serve `/metrics` in a background task that stops when the returned
+    /// guard is dropped; `None` when metrics are off (empty `listen` or a disabled handle).
+    pub async fn spawn_server(&self, listen: &str) -> std::io::Result<Option<MetricsServer>> {
+        if !self.is_enabled() || listen.trim().is_empty() {
+            return Ok(None);
+        }
+        let listener = tokio::net::TcpListener::bind(listen.trim())
+            .await
+            .map_err(|e| std::io::Error::new(e.kind(), format!("metrics_listen {listen}: {e}")))?;
+        let addr = listener.local_addr()?;
+        let served = self.clone().serve(listener);
+        let task = tokio::spawn(async move {
+            if let Err(e) = served.await {
+                tracing::warn!(error = %e, "metrics endpoint stopped");
+            }
+        });
+        Ok(Some(MetricsServer { addr, task }))
+    }
+
+    /// Serve `GET /metrics` (Prometheus text format, HTTP/1.1) on `listener` until the task is
+    /// dropped or aborted. Also runs the recorder's periodic upkeep, which bounds the memory
+    /// histograms hold between scrapes.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        let Some(inner) = self.0.clone() else {
+            return Ok(());
+        };
+        let _ = inner.addr.set(listener.local_addr()?);
+        let handle = inner.recorder.handle();
+        let upkeep = handle.clone();
+        let app = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let handle = handle.clone();
+                async move { handle.render() }
+            }),
+        );
+        // One future for both, so dropping it (MetricsServer) stops both.
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        let upkeep = async move {
+            loop {
+                every.tick().await;
+                upkeep.run_upkeep();
+            }
+        };
+        tokio::select! {
+            served = axum::serve(listener, app) => served,
+            never = upkeep => never,
+        }
+    }
+}
+
+/// A running `/metrics` endpoint; stops on drop.
+pub struct MetricsServer {
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Inner {
+    fn rank_counter<'a>(&self, counters: &'a [Counter], rank: usize) -> &'a Counter {
+        &counters[rank.clamp(1, MAX_RANK_LABEL) - 1]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_is_rendered_from_the_start() {
+        let m = Metrics::new("verify-service");
+        let text = m.render();
+        for name in ALL {
+            assert!(text.contains(name), "{name} missing from\n{text}");
+        }
+        assert!(text.contains("service=\"verify-service\""));
+        assert!(Metrics::disabled().render().is_empty());
+    }
+
+    #[test]
+    fn steps_and_summaries_add_up() {
+        let m = Metrics::new("draft-service");
+        m.request();
+        m.session_started();
+        m.step(3, [1, 2], Duration::from_millis(20));
+        m.generation(10, 4, &[5, 1], &[6, 2], Duration::from_millis(80));
+        m.failover();
+        let text = m.render();
+        let value = |series: &str| -> f64 {
+            text.lines()
+                .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+                .unwrap_or_else(|| panic!("{series} not in\n{text}"))
+                .rsplit(' ')
+                .next()
+                .unwrap()
+                .parse()
+                .unwrap()
+        };
+        let svc = "service=\"draft-service\"";
+        assert_eq!(value(&format!("{STEPS}{{{svc}}}")), 5.0);
+        assert_eq!(value(&format!("{GENERATED_TOKENS}{{{svc}}}")), 13.0);
+        assert_eq!(value(&format!("{TOKENS_PER_STEP}_count{{{svc}}}")), 5.0);
+        assert_eq!(value(&format!("{TOKENS_PER_STEP}_sum{{{svc}}}")), 13.0);
+        assert_eq!(value(&format!("{ACTIVE_SESSIONS}{{{svc}}}")), 1.0);
+        assert_eq!(value(&format!("{FAILOVERS}{{{svc}}}")), 1.0);
+        assert_eq!(
+            value(&format!("{ACCEPTED_BY_RANK}{{{svc},rank=\"1\"}}")),
+            6.0
+        );
+        assert_eq!(value(&format!("{TRIALS_BY_RANK}{{{svc},rank=\"2\"}}")), 2.0);
+    }
+}

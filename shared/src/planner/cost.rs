@@ -1,0 +1,348 @@
+//! The hardware- and network-aware planner (ALGORITHMS.md §5): pick the tree size and depth that
+//! maximize predicted speedup over target-only decoding from *measured* costs, and fall back to
+//! no speculation when nothing beats it.
+//!
+//! Step time of a tree with n nodes and level widths w₀ … w_{l−1}:
+//!
+//! ```text
+//! step = Σ_{d < l−1} t_d(w_d)           draft forwards, one per level that grows children
+//!      + P(path reaches the last level) · t_d(1)   catching the draft up on an accepted leaf
+//!      + RTT + bytes(n) / bandwidth     the network
+//!      + t_v(n) + overhead              the target's tree forward and the rest
+//! speedup = G(n, l) · t_v(1) / step
+//! ```
+
+use super::{expected_tokens, validate_acceptance, PlanError, SequoiaDp};
+use crate::tree::Tree;
+use serde::{Deserialize, Serialize};
+
+/// A measured cost curve: milliseconds at some sizes (strictly increasing), linear in between
+/// and extrapolated from the last two points beyond.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CostCurve {
+    pub sizes: Vec<u32>,
+    pub ms: Vec<f64>,
+}
+
+impl CostCurve {
+    pub fn new(sizes: Vec<u32>, ms: Vec<f64>) -> Result<Self, ProfileError> {
+        let c = Self { sizes, ms };
+        c.validate("curve")?;
+        Ok(c)
+    }
+
+    fn validate(&self, what: &str) -> Result<(), ProfileError> {
+        let bad = |m: String| Err(ProfileError(format!("{what}: {m}")));
+        if self.sizes.is_empty() || self.sizes.len() != self.ms.len() {
+            return bad(format!(
+                "needs matching non-empty sizes and ms (got {} and {})",
+                self.sizes.len(),
+                self.ms.len()
+            ));
+        }
+        if self.sizes[0] == 0 || self.sizes.windows(2).any(|w| w[0] >= w[1]) {
+            return bad("sizes must be ≥ 1 and strictly increasing".into());
+        }
+        if self.ms.iter().any(|m| !m.is_finite() || *m < 0.0) {
+            return bad("times must be finite and ≥ 0".into());
+        }
+        Ok(())
+    }
+
+    /// Interpolated time at size `n`.
+    pub fn at(&self, n: usize) -> f64 {
+        let n = n as f64;
+        let (s, m) = (&self.sizes, &self.ms);
+        if s.len() == 1 {
+            return m[0] * n / s[0] as f64;
+        }
+        let k = match s.iter().position(|&x| x as f64 >= n) {
+            Some(0) => 1,
+            Some(k) => k,
+            None => s.len() - 1,
+        };
+        let (x0, x1) = (s[k - 1] as f64, s[k] as f64);
+        let t = m[k - 1] + (m[k] - m[k - 1]) * (n - x0) / (x1 - x0);
+        t.max(0.0)
+    }
+
+    /// Largest measured size.
+    pub fn max_size(&self) -> usize {
+        *self.sizes.last().unwrap_or(&1) as usize
+    }
+}
+
+/// The network between draft and verify node.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct NetworkProfile {
+    pub rtt_ms: f64,
+    /// Bytes per millisecond (1 Gbit/s = 125_000).
+    pub bytes_per_ms: f64,
+}
+
+/// Everything the planner needs to know about the hardware: saved, loaded and shown as JSON.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Profile {
+    /// Target forward time over a tree of n nodes, t_v(n), on the verify node.
+    pub verify: CostCurve,
+    /// Draft forward time over one level of w nodes, t_d(w), on the draft node.
+    pub draft: CostCurve,
+    pub network: NetworkProfile,
+    /// Per-step time outside forwards and the network (sampling, serialization), ms.
+    pub overhead_ms: f64,
+    /// Context length the forwards were measured at.
+    pub context: usize,
+    /// Free-form description (models, machine).
+    #[serde(default)]
+    pub note: String,
+}
+
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("invalid profile: {0}")]
+pub struct ProfileError(pub String);
+
+impl Profile {
+    pub fn validate(&self) -> Result<(), ProfileError> {
+        self.verify.validate("verify")?;
+        self.draft.validate("draft")?;
+        let n = &self.network;
+        if !(n.rtt_ms.is_finite() && n.rtt_ms >= 0.0) || !(n.bytes_per_ms > 0.0) {
+            return Err(ProfileError(
+                "network: rtt_ms must be ≥ 0 and bytes_per_ms > 0".into(),
+            ));
+        }
+        if !(self.overhead_ms.is_finite() && self.overhead_ms >= 0.0) {
+            return Err(ProfileError("overhead_ms must be ≥ 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes on the wire for one step: the tree (parent + token per node), the sparse q of each
+/// expanded node (token + probability per entry), the verdict, and framing.
+pub fn step_bytes(tree: &Tree, q_entries: usize) -> f64 {
+    let expanded = tree.expanded_nodes().count();
+    (tree.len() * 8 + expanded * q_entries * 8 + 64 + 48) as f64
+}
+
+/// Predicted cost and benefit of one tree.
+#[derive(Debug, Clone, Serialize)]
+pub struct Prediction {
+    pub nodes: usize,
+    pub levels: usize,
+    pub expected_tokens: f64,
+    pub draft_ms: f64,
+    pub network_ms: f64,
+    pub verify_ms: f64,
+    pub overhead_ms: f64,
+    pub step_ms: f64,
+    pub speedup: f64,
+    pub parents: Vec<i32>,
+}
+
+/// Predict the step of `tree` under acceptance `p`, sending `q_entries` q entries per node
+/// (0 at temperature 0).
+pub fn predict(profile: &Profile, p: &[f64], tree: &Tree, q_entries: usize) -> Prediction {
+    let g = expected_tokens(tree, p);
+    let widths = tree.widths();
+    let levels = widths.len();
+    let mut draft_ms: f64 = widths[..levels - 1]
+        .iter()
+        .map(|&w| profile.draft.at(w))
+        .sum();
+    if levels > 1 {
+        // The chance the accepted path ends on the last level, whose tokens the draft has not run.
+        let mut f = vec![0.0f64; tree.len()];
+        f[0] = 1.0;
+        for v in 0..tree.len() {
+            for (r, &c) in tree.children(v).iter().enumerate() {
+                f[c as usize] = f[v] * p.get(r).copied().unwrap_or(0.0);
+            }
+        }
+        let last: f64 = tree.level_range(levels - 1).map(|v| f[v]).sum();
+        draft_ms += last * profile.draft.at(1);
+    }
+    let (network_ms, verify_ms) = (
+        profile.network.rtt_ms + step_bytes(tree, q_entries) / profile.network.bytes_per_ms,
+        profile.verify.at(tree.len()),
+    );
+    let step_ms = draft_ms + network_ms + verify_ms + profile.overhead_ms;
+    Prediction {
+        nodes: tree.len(),
+        levels,
+        expected_tokens: g,
+        draft_ms,
+        network_ms,
+        verify_ms,
+        overhead_ms: profile.overhead_ms,
+        step_ms,
+        speedup: g * profile.verify.at(1) / step_ms,
+        parents: tree.parents().to_vec(),
+    }
+}
+
+/// The planner's choice and what it beat.
+#[derive(Debug, Clone, Serialize)]
+pub struct AutoPlan {
+    pub best: Prediction,
+    /// False when no tree beats plain decoding through the pair: the plan is the root alone.
+    pub speculate: bool,
+    /// Best prediction for each node budget tried (the curve behind the choice).
+    pub by_size: Vec<Prediction>,
+}
+
+/// Search sizes 1..=`max_nodes` and depths 1..=`max_levels` for the highest predicted speedup.
+pub fn choose(
+    profile: &Profile,
+    p: &[f64],
+    max_nodes: usize,
+    max_levels: usize,
+    q_entries: usize,
+) -> Result<AutoPlan, PlanError> {
+    validate_acceptance(p)?;
+    let max_nodes = max_nodes.clamp(1, 1024);
+    let max_levels = max_levels.clamp(1, 64);
+    let dp = SequoiaDp::solve(p, max_nodes, max_levels)?;
+    let mut by_size: Vec<Prediction> = Vec::with_capacity(max_nodes);
+    for n in 1..=max_nodes {
+        let mut best_here: Option<Prediction> = None;
+        let mut last_len = 0;
+        for l in 1..=max_levels.min(n) {
+            let tree = dp.tree(n, l);
+            if tree.len() == last_len && l > 1 && tree.levels() < l {
+                continue; // deeper limit changed nothing
+            }
+            last_len = tree.len();
+            let pr = predict(profile, p, &tree, q_entries);
+            if best_here.as_ref().is_none_or(|b| pr.speedup > b.speedup) {
+                best_here = Some(pr);
+            }
+        }
+        by_size.push(best_here.expect("at least one depth"));
+    }
+    let best = by_size
+        .iter()
+        .max_by(|a, b| a.speedup.total_cmp(&b.speedup))
+        .cloned()
+        .expect("at least one size");
+    // The root alone is plain decoding through the pair; it wins whenever no tree pays for
+    // itself (its predicted speedup is below 1 by exactly the network and overhead it adds).
+    let speculate = best.nodes > 1;
+    Ok(AutoPlan {
+        best,
+        speculate,
+        by_size,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::planner::EXAMPLE_ACCEPTANCE;
+
+    fn profile(verify: impl Fn(f64) -> f64, draft_per_token: f64, rtt: f64) -> Profile {
+        profile_with(verify, |w| draft_per_token * (0.8 + 0.2 * w), rtt)
+    }
+
+    fn profile_with(verify: impl Fn(f64) -> f64, draft: impl Fn(f64) -> f64, rtt: f64) -> Profile {
+        let sizes: Vec<u32> = vec![1, 2, 4, 8, 16, 32, 64, 128];
+        Profile {
+            verify: CostCurve::new(
+                sizes.clone(),
+                sizes.iter().map(|&n| verify(n as f64)).collect(),
+            )
+            .unwrap(),
+            draft: CostCurve::new(
+                sizes.clone(),
+                sizes.iter().map(|&n| draft(n as f64)).collect(),
+            )
+            .unwrap(),
+            network: NetworkProfile {
+                rtt_ms: rtt,
+                bytes_per_ms: 125_000.0,
+            },
+            overhead_ms: 0.5,
+            context: 256,
+            note: String::new(),
+        }
+    }
+
+    #[test]
+    fn flat_verify_cost_picks_large_trees_steep_picks_small() {
+        let p = EXAMPLE_ACCEPTANCE;
+        // GPU-like: verifying 128 tokens costs 1.3× one token; a tiny draft, also flat.
+        let gpu = choose(
+            &profile_with(|n| 20.0 * (1.0 + 0.0025 * n), |w| 0.3 + 0.002 * w, 0.0),
+            &p,
+            128,
+            12,
+            0,
+        )
+        .unwrap();
+        // CPU-like: t(n) grows almost linearly (t(16) ≈ 5 t(1)).
+        let cpu = choose(
+            &profile(|n| 60.0 * (0.75 + 0.27 * n), 0.5, 0.0),
+            &p,
+            128,
+            12,
+            0,
+        )
+        .unwrap();
+        assert!(gpu.speculate && cpu.speculate);
+        assert!(gpu.best.nodes >= 32, "gpu picked {}", gpu.best.nodes);
+        assert!(cpu.best.nodes <= 8, "cpu picked {}", cpu.best.nodes);
+        assert!(gpu.best.speedup > cpu.best.speedup);
+    }
+
+    #[test]
+    fn network_latency_grows_the_tree() {
+        let p = EXAMPLE_ACCEPTANCE;
+        let curve = |n: f64| 20.0 * (1.0 + 0.02 * n);
+        let near = choose(&profile(curve, 0.5, 0.0), &p, 128, 12, 0).unwrap();
+        let far = choose(&profile(curve, 0.5, 50.0), &p, 128, 12, 0).unwrap();
+        assert!(far.speculate && near.speculate);
+        assert!(
+            far.best.nodes > near.best.nodes,
+            "{} vs {}",
+            far.best.nodes,
+            near.best.nodes
+        );
+        assert!(far.best.expected_tokens > near.best.expected_tokens);
+    }
+
+    #[test]
+    fn a_draft_as_slow_as_the_target_turns_speculation_off() {
+        let p = EXAMPLE_ACCEPTANCE;
+        let plan = choose(&profile(|n| 20.0 * n, 20.0, 1.0), &p, 64, 8, 0).unwrap();
+        assert!(!plan.speculate);
+        assert_eq!(plan.best.nodes, 1);
+        assert!(plan.best.speedup < 1.0);
+    }
+
+    #[test]
+    fn prediction_adds_up() {
+        let prof = profile(|n| 10.0 * n, 2.0, 3.0);
+        let tree = Tree::from_parents(&[-1, 0, 0, 1]).unwrap();
+        let pr = predict(&prof, &[0.5, 0.2], &tree, 4);
+        // levels: widths [1, 2, 1]; draft = t_d(1) + t_d(2) + P(reach node 3) · t_d(1)
+        let td = |w: f64| 2.0 * (0.8 + 0.2 * w);
+        let expect_draft = td(1.0) + td(2.0) + 0.25 * td(1.0);
+        assert!((pr.draft_ms - expect_draft).abs() < 1e-9);
+        assert!((pr.expected_tokens - (1.0 + 0.5 + 0.2 + 0.25)).abs() < 1e-12);
+        assert!((pr.step_ms - (pr.draft_ms + pr.network_ms + pr.verify_ms + 0.5)).abs() < 1e-9);
+        assert!((pr.speedup - pr.expected_tokens * 10.0 / pr.step_ms).abs() < 1e-12);
+    }
+
+    #[test]
+    fn curves_interpolate_and_reject_bad_input() {
+        let c = CostCurve::new(vec![1, 4], vec![10.0, 40.0]).unwrap();
+        assert!((c.at(2) - 20.0).abs() < 1e-9);
+        assert!((c.at(8) - 80.0).abs() < 1e-9);
+        assert!(CostCurve::new(vec![2, 1], vec![1.0, 2.0]).is_err());
+        assert!(CostCurve::new(vec![1], vec![f64::NAN]).is_err());
+        assert!(CostCurve::new(vec![], vec![]).is_err());
+        let json = serde_json::to_string(&profile(|n| n, 1.0, 0.0)).unwrap();
+        let back: Profile = serde_json::from_str(&json).unwrap();
+        back.validate().unwrap();
+    }
+}

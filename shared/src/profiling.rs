@@ -1,0 +1,77 @@
+//! Measuring the costs the planner needs on the machine at hand: target forward time over trees
+//! of n nodes, t_v(n), and draft forward time over one level of w nodes, t_d(w), each at a
+//! working context length (median of repeats). The verify node runs the first (`Profile` RPC),
+//! the draft node the second; `sequoia tree profile` runs both locally.
+
+use crate::engine::{EngineError, Model};
+use crate::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
+use crate::tree::Tree;
+use std::time::Instant;
+
+/// Sizes measured by default (nodes per tree, or nodes per level).
+pub const DEFAULT_SIZES: [u32; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32];
+
+/// Median milliseconds of one forward over a tree of each size, after `context` committed
+/// tokens. `shape(n)` gives the tree measured for size n.
+pub fn measure_forward(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+    shape: impl Fn(usize) -> Tree,
+) -> Result<Vec<f64>, EngineError> {
+    let vocab = model.info().vocab_size as u32;
+    let mut cache = model.new_cache();
+    // Deterministic filler tokens spread over the vocabulary.
+    let filler: Vec<u32> = (0..context as u32)
+        .map(|i| (i * 7919 + 13) % vocab)
+        .collect();
+    if !filler.is_empty() {
+        model.forward_chain_last(&mut cache, &filler)?;
+    }
+    // One untimed forward warms caches and thread pools.
+    model.forward_tree(&mut cache, &[1 % vocab], &Tree::chain(1))?;
+    cache.truncate(context);
+    let mut out = Vec::with_capacity(sizes.len());
+    for &n in sizes {
+        let tree = shape(n as usize);
+        let tokens: Vec<u32> = (0..tree.len() as u32)
+            .map(|i| (i * 104_729 + 7) % vocab)
+            .collect();
+        let mut times = Vec::with_capacity(repeats);
+        for _ in 0..repeats.max(1) {
+            let t0 = Instant::now();
+            model.forward_tree(&mut cache, &tokens, &tree)?;
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            cache.truncate(context);
+        }
+        times.sort_by(f64::total_cmp);
+        out.push(times[times.len() / 2]);
+    }
+    Ok(out)
+}
+
+/// t_v(n): Sequoia-shaped trees, as the target will see them.
+pub fn measure_verify(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+) -> Result<Vec<f64>, EngineError> {
+    let largest = sizes.iter().copied().max().unwrap_or(1) as usize;
+    let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, largest.max(1), 16)
+        .expect("the example vector is valid");
+    measure_forward(model, sizes, context, repeats, |n| dp.tree(n, 16))
+}
+
+/// t_d(w): one level of w siblings (a star of w − 1 children under a root stands in for it).
+pub fn measure_draft(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+) -> Result<Vec<f64>, EngineError> {
+    measure_forward(model, sizes, context, repeats, |w| {
+        Tree::star(w.saturating_sub(1))
+    })
+}

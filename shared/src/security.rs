@@ -1,0 +1,346 @@
+//! Transport security for both services and the CLI: TLS (rustls through tonic), optional mutual
+//! TLS between draft and verify nodes, and bearer-token authentication.
+//!
+//! Why one module: draft-service is a server to clients and a client of verify nodes,
+//! verify-service a server, the `sequoia` CLI a client. Sharing the loading code keeps the file
+//! formats (PEM certificates and keys, token files with one token per line) and the error
+//! messages the same everywhere.
+//!
+//! Conventions: an empty path means "not set"; TLS is used exactly when a URL says `https://`;
+//! authentication is on when at least one token is configured. Tokens are compared by SHA-256
+//! digest, so a comparison's timing says nothing about the accepted tokens.
+
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::Interceptor;
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+use tonic::{Request, Status};
+
+/// The metadata key carrying `Bearer <token>`.
+pub const AUTHORIZATION: &str = "authorization";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SecurityError {
+    #[error("cannot read {what} {}: {source}", path.display())]
+    Read {
+        what: &'static str,
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// `Some(path)` unless the path is empty (the "not set" value in configs).
+pub fn given(path: &Path) -> Option<&Path> {
+    (!path.as_os_str().is_empty()).then_some(path)
+}
+
+fn read(what: &'static str, path: &Path) -> Result<Vec<u8>, SecurityError> {
+    std::fs::read(path).map_err(|source| SecurityError::Read {
+        what,
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn identity(cert: &Path, key: &Path) -> Result<Identity, SecurityError> {
+    Ok(Identity::from_pem(
+        read("certificate", cert)?,
+        read("private key", key)?,
+    ))
+}
+
+/// Server TLS from PEM files, or `None` (plaintext) when no certificate is given. With
+/// `client_ca`, clients must present a certificate signed by it (mutual TLS).
+pub fn server_tls(
+    cert: &Path,
+    key: &Path,
+    client_ca: &Path,
+) -> Result<Option<ServerTlsConfig>, SecurityError> {
+    match (given(cert), given(key)) {
+        (None, None) if given(client_ca).is_some() => Err(SecurityError::Invalid(
+            "tls_client_ca needs tls_cert and tls_key: mutual TLS runs over TLS".into(),
+        )),
+        (None, None) => Ok(None),
+        (Some(cert), Some(key)) => {
+            let mut tls = ServerTlsConfig::new().identity(identity(cert, key)?);
+            if let Some(ca) = given(client_ca) {
+                tls = tls.client_ca_root(Certificate::from_pem(read("client CA", ca)?));
+            }
+            Ok(Some(tls))
+        }
+        _ => Err(SecurityError::Invalid(
+            "give both tls_cert and tls_key (PEM files), or neither".into(),
+        )),
+    }
+}
+
+/// Client TLS: trust `ca` (PEM) besides the system roots; present `cert` + `key` when given
+/// (mutual TLS); verify the server as `domain` when non-empty instead of the URL's host (useful
+/// when connecting to pod IPs with a certificate issued for a Service name).
+pub fn client_tls(
+    ca: &Path,
+    cert: &Path,
+    key: &Path,
+    domain: &str,
+) -> Result<ClientTlsConfig, SecurityError> {
+    let mut tls = ClientTlsConfig::new().with_enabled_roots();
+    if let Some(ca) = given(ca) {
+        tls = tls.ca_certificate(Certificate::from_pem(read("CA certificate", ca)?));
+    }
+    match (given(cert), given(key)) {
+        (Some(cert), Some(key)) => tls = tls.identity(identity(cert, key)?),
+        (None, None) => {}
+        _ => {
+            return Err(SecurityError::Invalid(
+                "a client certificate needs both the certificate and its key (PEM files)".into(),
+            ))
+        }
+    }
+    if !domain.is_empty() {
+        tls = tls.domain_name(domain);
+    }
+    Ok(tls)
+}
+
+/// How a client reaches a service: TLS settings for `https://` URLs and the token to send.
+#[derive(Clone, Default)]
+pub struct ClientSecurity {
+    /// Used for `https://` URLs; `None` means the system roots only.
+    pub tls: Option<ClientTlsConfig>,
+    pub token: BearerToken,
+}
+
+impl ClientSecurity {
+    /// An endpoint for `url` (`host:port` means `http://host:port`), with TLS when it is
+    /// `https://`. TLS settings with a plaintext URL are refused rather than ignored.
+    pub fn endpoint(&self, url: &str) -> Result<Endpoint, SecurityError> {
+        let url = if url.contains("://") {
+            url.to_string()
+        } else {
+            format!("http://{url}")
+        };
+        let endpoint = Endpoint::from_shared(url.clone())
+            .map_err(|e| SecurityError::Invalid(format!("bad address {url:?}: {e}")))?;
+        if url.starts_with("https://") {
+            let tls = match &self.tls {
+                Some(tls) => tls.clone(),
+                None => ClientTlsConfig::new().with_enabled_roots(),
+            };
+            endpoint
+                .tls_config(tls)
+                .map_err(|e| SecurityError::Invalid(format!("TLS settings for {url}: {e}")))
+        } else if self.tls.is_some() {
+            Err(SecurityError::Invalid(format!(
+                "TLS is configured but {url} is plaintext: use an https:// URL"
+            )))
+        } else {
+            Ok(endpoint)
+        }
+    }
+}
+
+/// Read a token file: the first line that is neither blank nor a `#` comment.
+pub fn read_token_file(path: &Path) -> Result<String, SecurityError> {
+    let text = String::from_utf8(read("token file", path)?)
+        .map_err(|_| SecurityError::Invalid(format!("{} is not UTF-8", path.display())))?;
+    let token = token_lines(&text).next().map(str::to_string);
+    token.ok_or_else(|| {
+        SecurityError::Invalid(format!("token file {} has no token", path.display()))
+    })
+}
+
+fn token_lines(text: &str) -> impl Iterator<Item = &str> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+}
+
+/// Client side: adds `authorization: Bearer <token>` to every call (nothing when unset).
+#[derive(Clone, Default)]
+pub struct BearerToken(Option<MetadataValue<Ascii>>);
+
+impl BearerToken {
+    /// From a token (empty = none) or, when that is empty, a token file (empty path = none).
+    pub fn new(token: &str, file: &Path) -> Result<Self, SecurityError> {
+        let token = match (token.trim(), given(file)) {
+            ("", None) => return Ok(Self(None)),
+            ("", Some(file)) => read_token_file(file)?,
+            (t, _) => t.to_string(),
+        };
+        let value = format!("Bearer {token}")
+            .parse()
+            .map_err(|_| SecurityError::Invalid("a token must be printable ASCII".into()))?;
+        Ok(Self(Some(value)))
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+impl Interceptor for BearerToken {
+    fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            request.metadata_mut().insert(AUTHORIZATION, v.clone());
+        }
+        Ok(request)
+    }
+}
+
+/// Server side: accepts calls bearing one of the configured tokens; every call when none is
+/// configured. Apply it to the sequoia services only, so health checks stay open for probes.
+#[derive(Clone, Default)]
+pub struct TokenCheck(Arc<Vec<[u8; 32]>>);
+
+fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+impl TokenCheck {
+    /// Tokens from a list plus a file with one token per line (`#` comments and blank lines
+    /// skipped; empty path = no file).
+    pub fn load(tokens: &[String], file: &Path) -> Result<Self, SecurityError> {
+        let mut all: Vec<String> = tokens
+            .iter()
+            .map(|t| t.trim().to_string())
+            .filter(|t| !t.is_empty())
+            .collect();
+        if let Some(file) = given(file) {
+            let text = String::from_utf8(read("token file", file)?)
+                .map_err(|_| SecurityError::Invalid(format!("{} is not UTF-8", file.display())))?;
+            let before = all.len();
+            all.extend(token_lines(&text).map(str::to_string));
+            if all.len() == before {
+                return Err(SecurityError::Invalid(format!(
+                    "token file {} has no token (auth would be off)",
+                    file.display()
+                )));
+            }
+        }
+        Ok(Self(Arc::new(all.iter().map(|t| digest(t)).collect())))
+    }
+
+    pub fn is_enabled(&self) -> bool {
+        !self.0.is_empty()
+    }
+
+    /// UNAUTHENTICATED with a message that says what to send, unless the call carries a valid
+    /// token (or auth is off).
+    pub fn check(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        if !self.is_enabled() {
+            return Ok(());
+        }
+        let Some(value) = metadata.get(AUTHORIZATION) else {
+            return Err(Status::unauthenticated(
+                "missing bearer token: send the metadata `authorization: Bearer <token>` \
+                 (sequoia generate --token or SEQUOIA_TOKEN)",
+            ));
+        };
+        let token = value
+            .to_str()
+            .ok()
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .ok_or_else(|| {
+                Status::unauthenticated(
+                    "malformed authorization metadata: expected `Bearer <token>`",
+                )
+            })?;
+        let d = digest(token.trim());
+        if self.0.iter().any(|known| *known == d) {
+            Ok(())
+        } else {
+            Err(Status::unauthenticated(
+                "invalid bearer token: not one this service accepts (auth_tokens / auth_tokens_file)",
+            ))
+        }
+    }
+}
+
+impl Interceptor for TokenCheck {
+    fn call(&mut self, request: Request<()>) -> Result<Request<()>, Status> {
+        self.check(request.metadata())?;
+        Ok(request)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::Code;
+
+    fn call_with(auth: Option<&str>) -> Request<()> {
+        let mut r = Request::new(());
+        if let Some(a) = auth {
+            r.metadata_mut().insert(AUTHORIZATION, a.parse().unwrap());
+        }
+        r
+    }
+
+    #[test]
+    fn tokens_from_list_and_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens");
+        std::fs::write(&file, "# operators\nfile-token\n\n  second  \n").unwrap();
+        let mut check = TokenCheck::load(&["list-token".into()], &file).unwrap();
+        for good in ["list-token", "file-token", "second"] {
+            assert!(check
+                .call(call_with(Some(&format!("Bearer {good}"))))
+                .is_ok());
+        }
+        for (bad, says) in [
+            (None, "missing bearer token"),
+            (Some("Bearer nope"), "invalid bearer token"),
+            (Some("Basic abc"), "malformed"),
+        ] {
+            let e = check.call(call_with(bad)).unwrap_err();
+            assert_eq!(e.code(), Code::Unauthenticated);
+            assert!(e.message().contains(says), "{}", e.message());
+        }
+        // No tokens: auth off.
+        let mut open = TokenCheck::load(&[], Path::new("")).unwrap();
+        assert!(open.call(call_with(None)).is_ok());
+        // A file without tokens is a mistake, not "auth off".
+        std::fs::write(&file, "# nothing\n").unwrap();
+        assert!(TokenCheck::load(&[], &file).is_err());
+    }
+
+    #[test]
+    fn bearer_token_from_value_or_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "from-file\n").unwrap();
+        let mut t = BearerToken::new("", &file).unwrap();
+        let r = t.call(Request::new(())).unwrap();
+        assert_eq!(r.metadata().get(AUTHORIZATION).unwrap(), "Bearer from-file");
+        let mut t = BearerToken::new("direct", &file).unwrap();
+        let r = t.call(Request::new(())).unwrap();
+        assert_eq!(r.metadata().get(AUTHORIZATION).unwrap(), "Bearer direct");
+        assert!(!BearerToken::new("", Path::new("")).unwrap().is_set());
+        assert!(BearerToken::new("has space", Path::new("")).is_ok());
+        assert!(BearerToken::new("bad\ntoken", Path::new("")).is_err());
+    }
+
+    #[test]
+    fn half_configured_tls_is_an_error() {
+        let none = Path::new("");
+        assert!(server_tls(none, none, none).unwrap().is_none());
+        assert!(server_tls(Path::new("/c.pem"), none, none).is_err());
+        assert!(server_tls(none, none, Path::new("/ca.pem")).is_err());
+        assert!(client_tls(none, Path::new("/c.pem"), none, "").is_err());
+        let plain = ClientSecurity::default();
+        assert!(plain.endpoint("127.0.0.1:1").is_ok());
+        let tls = ClientSecurity {
+            tls: Some(client_tls(none, none, none, "").unwrap()),
+            ..Default::default()
+        };
+        assert!(tls.endpoint("http://127.0.0.1:1").is_err());
+        assert!(tls.endpoint("https://127.0.0.1:1").is_ok());
+    }
+}
