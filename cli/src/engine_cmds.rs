@@ -20,7 +20,7 @@ use serde::Serialize;
 
 /// A model argument: a path (GGUF file or Hugging Face folder) or a default model's short name
 /// (`qwen2.5-coder-1.5b`, ...), fetched on first use.
-fn resolve_model(arg: &str) -> Result<PathBuf> {
+pub fn resolve_model(arg: &str) -> Result<PathBuf> {
     let path = PathBuf::from(arg);
     if path.exists() {
         return Ok(path);

@@ -4,6 +4,7 @@
 //! - `generate-local` / `engine-bench`: the target alone on this machine (the baseline);
 //! - `generate` / `demo`: talk to the services over the `sequoia.v1` gRPC API.
 
+mod acceptance_cmd;
 mod client_cmds;
 mod engine_cmds;
 mod tree_cmds;
@@ -45,6 +46,10 @@ enum TreeCommand {
     Plan(tree_cmds::PlanArgs),
     /// Time the DP (prints measured seconds).
     Bench(tree_cmds::BenchArgs),
+    /// Measure t_v(n) and t_d(w) on this machine into a planner profile (JSON).
+    Profile(tree_cmds::ProfileArgs),
+    /// Measure the acceptance vector of a draft/target pair over a prompt file.
+    MeasureAcceptance(acceptance_cmd::MeasureArgs),
 }
 
 fn main() -> Result<()> {
@@ -53,6 +58,8 @@ fn main() -> Result<()> {
         Command::Tree { command } => match command {
             TreeCommand::Plan(a) => tree_cmds::plan(&a),
             TreeCommand::Bench(a) => tree_cmds::bench(&a),
+            TreeCommand::Profile(a) => tree_cmds::profile(&a),
+            TreeCommand::MeasureAcceptance(a) => acceptance_cmd::measure(&a),
         },
         Command::Generate(a) => client_cmds::generate(&a),
         Command::Demo(a) => client_cmds::demo(&a),

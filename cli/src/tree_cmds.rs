@@ -22,6 +22,13 @@ pub struct PlanArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Planner profile (from `sequoia tree profile`): choose the size too, from measured costs.
+    /// --nodes is then the largest tree considered.
+    #[arg(long)]
+    pub profile: Option<PathBuf>,
+    /// With --profile: draft-distribution entries sent per expanded node (0 at temperature 0).
+    #[arg(long, default_value_t = 0)]
+    pub q_entries: usize,
 }
 
 #[derive(clap::Args, Debug)]
@@ -62,6 +69,9 @@ pub fn load_acceptance(inline: &Option<Vec<f64>>, file: &Option<PathBuf>) -> Res
 }
 
 pub fn plan(args: &PlanArgs) -> Result<()> {
+    if let Some(profile) = &args.profile {
+        return plan_with_profile(args, profile);
+    }
     let p = load_acceptance(&args.acceptance, &args.acceptance_file)?;
     if args.nodes == 0 || args.nodes > 4096 {
         bail!("--nodes must be in 1..=4096, got {}", args.nodes);
@@ -131,5 +141,138 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         times[0],
         g
     );
+    Ok(())
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ProfileArgs {
+    /// Draft model (path or default name).
+    #[arg(long, default_value = sequoia_shared::models::QWEN_CODER_0_5B)]
+    pub draft: String,
+    /// Target model (path or default name).
+    #[arg(long, default_value = sequoia_shared::models::QWEN_CODER_1_5B)]
+    pub target: String,
+    /// Context length to measure at.
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Largest tree size measured.
+    #[arg(long, default_value_t = 32)]
+    pub max_nodes: u32,
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
+    /// Round-trip time to assume between draft and verify node, ms.
+    #[arg(long, default_value_t = 0.2)]
+    pub rtt_ms: f64,
+    /// Bandwidth to assume, Mbit/s.
+    #[arg(long, default_value_t = 10_000.0)]
+    pub bandwidth_mbps: f64,
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Write the profile JSON here (printed to stdout too).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// Measure t_v(n) and t_d(w) on this machine and write a planner profile.
+pub fn profile(args: &ProfileArgs) -> Result<()> {
+    use sequoia_shared::engine::{LoadOptions, Model};
+    use sequoia_shared::planner::cost::{CostCurve, NetworkProfile, Profile};
+    use sequoia_shared::profiling::{measure_draft, measure_verify, DEFAULT_SIZES};
+    let opts = LoadOptions {
+        threads: args.threads,
+        ..LoadOptions::default()
+    };
+    let sizes: Vec<u32> = DEFAULT_SIZES
+        .iter()
+        .copied()
+        .filter(|&n| n <= args.max_nodes)
+        .collect();
+    let target_path = crate::engine_cmds::resolve_model(&args.target)?;
+    let draft_path = crate::engine_cmds::resolve_model(&args.draft)?;
+    eprintln!(
+        "measuring target t_v(n) for n in {sizes:?} at context {}",
+        args.context
+    );
+    let target = Model::load(&target_path, &opts)?;
+    let tv = measure_verify(&target, &sizes, args.context, args.repeats)?;
+    drop(target);
+    let widths: Vec<u32> = sizes.iter().copied().filter(|&w| w <= 16).collect();
+    eprintln!("measuring draft t_d(w) for w in {widths:?}");
+    let draft = Model::load(&draft_path, &opts)?;
+    let td = measure_draft(&draft, &widths, args.context, args.repeats)?;
+    let profile = Profile {
+        verify: CostCurve::new(sizes, tv)?,
+        draft: CostCurve::new(widths, td)?,
+        network: NetworkProfile {
+            rtt_ms: args.rtt_ms,
+            bytes_per_ms: args.bandwidth_mbps * 125.0,
+        },
+        overhead_ms: 0.5,
+        context: args.context,
+        note: format!(
+            "target {}, draft {}, threads {}",
+            target_path.display(),
+            draft_path.display(),
+            sequoia_shared::engine::current_threads()
+        ),
+    };
+    let json = serde_json::to_string_pretty(&profile)?;
+    println!("{json}");
+    if let Some(out) = &args.out {
+        std::fs::write(out, &json).with_context(|| format!("writing {}", out.display()))?;
+        eprintln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// Load and check a profile file.
+pub fn load_profile(path: &std::path::Path) -> Result<sequoia_shared::planner::cost::Profile> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let p: sequoia_shared::planner::cost::Profile = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a planner profile", path.display()))?;
+    p.validate()?;
+    Ok(p)
+}
+
+/// `tree plan --profile`: the planner's choice from measured costs.
+pub fn plan_with_profile(args: &PlanArgs, path: &std::path::Path) -> Result<()> {
+    use sequoia_shared::planner::cost::choose;
+    let p = load_acceptance(&args.acceptance, &args.acceptance_file)?;
+    let profile = load_profile(path)?;
+    let levels = args.max_depth.unwrap_or(16);
+    let plan = choose(&profile, &p, args.nodes, levels, args.q_entries)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&plan)?);
+        return Ok(());
+    }
+    let b = &plan.best;
+    if plan.speculate {
+        println!("chosen tree: {} nodes, {} levels", b.nodes, b.levels);
+    } else {
+        println!("no tree pays for itself here: plain decoding (root only)");
+    }
+    println!(
+        "predicted tokens/step {:.3}; step {:.1} ms = draft {:.1} + network {:.1} + verify {:.1} + overhead {:.1}; speedup {:.2}x over target-only (t_v(1) = {:.1} ms)",
+        b.expected_tokens, b.step_ms, b.draft_ms, b.network_ms, b.verify_ms, b.overhead_ms, b.speedup, profile.verify.at(1)
+    );
+    let mut ranked: Vec<_> = plan.by_size.iter().collect();
+    ranked.sort_by(|a, c| c.speedup.total_cmp(&a.speedup));
+    println!("runners-up:");
+    for r in ranked.iter().skip(1).take(5) {
+        println!(
+            "  {:>3} nodes {:>2} levels: tokens/step {:.3}, step {:.1} ms, speedup {:.2}x",
+            r.nodes, r.levels, r.expected_tokens, r.step_ms, r.speedup
+        );
+    }
+    let tree = sequoia_shared::tree::Tree::from_parents_limited(
+        &b.parents,
+        sequoia_shared::tree::TreeLimits {
+            max_nodes: usize::MAX,
+            max_levels: usize::MAX,
+        },
+    )?;
+    println!();
+    print!("{}", tree.draw());
     Ok(())
 }

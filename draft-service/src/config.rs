@@ -33,6 +33,27 @@ pub struct DraftConfig {
     pub tree: TreeConfig,
     /// Emit JSON log lines.
     pub log_json: bool,
+    /// TLS certificate chain and private key (PEM) for the Generation service; empty = plaintext.
+    pub tls_cert: PathBuf,
+    pub tls_key: PathBuf,
+    /// CA (PEM) that client certificates must chain to; set = mutual TLS required.
+    pub tls_client_ca: PathBuf,
+    /// Bearer tokens accepted from clients; with `auth_tokens_file`, none = no authentication.
+    pub auth_tokens: Vec<String>,
+    /// File with one accepted token per line (e.g. a mounted Kubernetes Secret).
+    pub auth_tokens_file: PathBuf,
+    /// CA (PEM) to trust for `https://` verify nodes, besides the system roots.
+    pub verify_tls_ca: PathBuf,
+    /// Client certificate and key (PEM) presented to verify nodes (mutual TLS).
+    pub verify_tls_cert: PathBuf,
+    pub verify_tls_key: PathBuf,
+    /// Name verify nodes' certificates are checked against instead of the URL's host.
+    pub verify_tls_domain: String,
+    /// Bearer token sent to verify nodes (or `verify_token_file`); empty = none.
+    pub verify_token: String,
+    pub verify_token_file: PathBuf,
+    /// Prometheus `/metrics` address, e.g. 0.0.0.0:9091; empty = off.
+    pub metrics_listen: String,
 }
 
 /// The tree shape: a Sequoia DP tree. In "auto" mode its size and depth come from measured
@@ -85,6 +106,18 @@ impl Default for DraftConfig {
             connect_timeout_secs: 5.0,
             tree: TreeConfig::default(),
             log_json: false,
+            tls_cert: PathBuf::new(),
+            tls_key: PathBuf::new(),
+            tls_client_ca: PathBuf::new(),
+            auth_tokens: Vec::new(),
+            auth_tokens_file: PathBuf::new(),
+            verify_tls_ca: PathBuf::new(),
+            verify_tls_cert: PathBuf::new(),
+            verify_tls_key: PathBuf::new(),
+            verify_tls_domain: String::new(),
+            verify_token: String::new(),
+            verify_token_file: PathBuf::new(),
+            metrics_listen: String::new(),
         }
     }
 }

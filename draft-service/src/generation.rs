@@ -24,6 +24,8 @@ pub type ChunkTx = mpsc::Sender<Result<GenerateChunk, Status>>;
 /// A request checked and turned into tokens and settings.
 pub struct Prepared {
     pub prompt_tokens: Vec<u32>,
+    /// A tree shape forced by the request (benchmarks), instead of the plan.
+    pub forced_tree: Option<sequoia_shared::tree::Tree>,
     pub params: SamplingParams,
     pub max_tokens: usize,
     pub seed: u64,
@@ -103,8 +105,21 @@ pub fn prepare(state: &DraftState, req: &GenerateRequest) -> Result<Prepared, St
             prompt_tokens.len()
         )));
     }
+    let forced_tree = if req.tree_parents.is_empty() {
+        None
+    } else {
+        let limits = sequoia_shared::tree::TreeLimits {
+            max_nodes: 512,
+            max_levels: 64,
+        };
+        Some(
+            sequoia_shared::tree::Tree::from_parents_limited(&req.tree_parents, limits)
+                .map_err(|e| invalid(format!("tree_parents: {e}")))?,
+        )
+    };
     Ok(Prepared {
         prompt_tokens,
+        forced_tree,
         params: SamplingParams {
             temperature: req.temperature,
             top_k: req.top_k as usize,
@@ -373,7 +388,10 @@ async fn generate_on(
                 .map_err(|e| Status::internal(format!("tree planner: {e}")))?;
             replans += 1;
         }
-        let shape = plan.shape(room);
+        let shape = match &prep.forced_tree {
+            Some(t) if t.len() <= room => t.clone(),
+            _ => plan.shape(room),
+        };
         // Grow the tree (CPU-bound) without stalling the async workers.
         let t0 = Instant::now();
         let model = state.model.clone();
@@ -521,7 +539,21 @@ async fn generate_on(
         finish_reason: finish.into(),
         seed: prep.seed,
         verify_node: addr.clone(),
-        plan: Some(plan.to_proto(replans)),
+        plan: Some(match &prep.forced_tree {
+            None => plan.to_proto(replans),
+            Some(t) => sequoia_proto::v1::TreePlan {
+                parents: t.parents().to_vec(),
+                nodes: t.len() as u32,
+                levels: t.levels() as u32,
+                expected_tokens_per_step: sequoia_shared::planner::expected_tokens(
+                    t,
+                    &plan.acceptance,
+                ),
+                mode: "request".into(),
+                acceptance: plan.acceptance.clone(),
+                ..Default::default()
+            },
+        }),
     };
     let _ = tx
         .send(Ok(GenerateChunk {

@@ -3,19 +3,25 @@
 
 use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::{InfoRequest, InfoResponse};
+use sequoia_shared::security::{BearerToken, ClientSecurity};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::Mutex;
-use tonic::transport::{Channel, Endpoint};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
 use tonic::Status;
 
 pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
+
+/// A Verifier client that sends this node's bearer token (if any) with every call.
+pub type VerifyClient = VerifierClient<InterceptedService<Channel, BearerToken>>;
 
 /// One configured verify node.
 pub struct VerifyNode {
     pub addr: String,
     channel: Channel,
+    token: BearerToken,
     info: Mutex<Option<InfoResponse>>,
     /// Sessions this draft node has open there.
     pub active: AtomicUsize,
@@ -24,14 +30,20 @@ pub struct VerifyNode {
 }
 
 impl VerifyNode {
-    pub fn new(addr: &str, connect_timeout: Duration) -> Result<Self, String> {
+    /// A lazily connected channel to `addr` (`https://` = TLS with `security.tls`).
+    pub fn new(
+        addr: &str,
+        connect_timeout: Duration,
+        security: &ClientSecurity,
+    ) -> Result<Self, String> {
         let url = if addr.contains("://") {
             addr.to_string()
         } else {
             format!("http://{addr}")
         };
-        let endpoint = Endpoint::from_shared(url.clone())
-            .map_err(|e| format!("bad verify node address {addr:?}: {e}"))?
+        let endpoint = security
+            .endpoint(&url)
+            .map_err(|e| format!("verify node {addr:?}: {e}"))?
             .connect_timeout(connect_timeout)
             .tcp_nodelay(true)
             .http2_keep_alive_interval(Duration::from_secs(20))
@@ -39,14 +51,15 @@ impl VerifyNode {
         Ok(Self {
             addr: url,
             channel: endpoint.connect_lazy(),
+            token: security.token.clone(),
             info: Mutex::new(None),
             active: AtomicUsize::new(0),
             costs: Mutex::new(None),
         })
     }
 
-    pub fn client(&self) -> VerifierClient<Channel> {
-        VerifierClient::new(self.channel.clone())
+    pub fn client(&self) -> VerifyClient {
+        VerifierClient::with_interceptor(self.channel.clone(), self.token.clone())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
@@ -91,13 +104,17 @@ pub struct NodePool {
 }
 
 impl NodePool {
-    pub fn new(addrs: &[String], connect_timeout: Duration) -> Result<Self, String> {
+    pub fn new(
+        addrs: &[String],
+        connect_timeout: Duration,
+        security: &ClientSecurity,
+    ) -> Result<Self, String> {
         if addrs.is_empty() {
             return Err("no verify nodes configured: pass --verify URL[,URL...]".into());
         }
         let nodes = addrs
             .iter()
-            .map(|a| VerifyNode::new(a, connect_timeout).map(Arc::new))
+            .map(|a| VerifyNode::new(a, connect_timeout, security).map(Arc::new))
             .collect::<Result<_, _>>()?;
         Ok(Self {
             nodes,

@@ -6,7 +6,6 @@
 //! plan is recomputed as it and the observed step times move.
 
 use crate::config::TreeConfig;
-use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::{PingRequest, ProfileRequest, TreePlan};
 use sequoia_shared::engine::Model;
 use sequoia_shared::planner::cost::{choose, CostCurve, NetworkProfile, Prediction, Profile};
@@ -15,7 +14,6 @@ use sequoia_shared::profiling;
 use sequoia_shared::tree::Tree;
 use std::sync::Mutex;
 use std::time::Instant;
-use tonic::transport::Channel;
 use tonic::Status;
 
 /// Weight of the configured acceptance vector in the running estimate, in pseudo-trials.
@@ -184,7 +182,7 @@ impl Planner {
     /// Profile a verify node: its t_v(n) over the sizes the search may use, RTT and bandwidth.
     pub async fn measure_node(
         &self,
-        mut client: VerifierClient<Channel>,
+        mut client: crate::nodes::VerifyClient,
     ) -> Result<NodeCosts, Status> {
         let sizes: Vec<u32> = profiling::DEFAULT_SIZES
             .iter()

@@ -270,6 +270,45 @@ impl Interceptor for TokenCheck {
     }
 }
 
+/// Kubernetes' gRPC probes speak plaintext and present no client certificate or token, so a
+/// TLS or mutual-TLS service port cannot answer them. This serves `routes` (meant: the
+/// grpc.health.v1 service alone) in plaintext on `listen` (empty = off) in a background task
+/// that stops when the returned guard is dropped.
+pub async fn spawn_probe_endpoint(
+    routes: tonic::service::Routes,
+    listen: &str,
+) -> std::io::Result<Option<ProbeEndpoint>> {
+    if listen.trim().is_empty() {
+        return Ok(None);
+    }
+    let listener = tokio::net::TcpListener::bind(listen.trim())
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("health_listen {listen}: {e}")))?;
+    let addr = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        let served = tonic::transport::Server::builder()
+            .add_routes(routes)
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener))
+            .await;
+        if let Err(e) = served {
+            tracing::warn!(error = %e, "health endpoint stopped");
+        }
+    });
+    Ok(Some(ProbeEndpoint { addr, task }))
+}
+
+/// A running plaintext health endpoint; stops on drop.
+pub struct ProbeEndpoint {
+    pub addr: std::net::SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for ProbeEndpoint {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -73,7 +73,7 @@ pub async fn serve(
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         tokens.clone(),
     );
-    let _metrics = state.metrics.spawn_server(&config.metrics_listen).await?;
+    let metrics_server = state.metrics.spawn_server(&config.metrics_listen).await?;
     let drain_state = state.clone();
     let shutdown = async move {
         shutdown.await;
@@ -89,7 +89,7 @@ pub async fn serve(
         tls = tls.is_some(),
         mutual_tls = security::given(&config.tls_client_ca).is_some(),
         auth = tokens.is_enabled(),
-        metrics = ?_metrics.as_ref().map(|m| m.addr),
+        metrics = ?metrics_server.as_ref().map(|m| m.addr),
         "verify-service listening"
     );
     let mut server = tonic::transport::Server::builder();
