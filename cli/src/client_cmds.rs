@@ -178,14 +178,14 @@ fn resolve(arg: &str) -> Result<PathBuf> {
 }
 
 /// A child service process, killed if still running when dropped.
-struct Service {
+pub(crate) struct Service {
     name: &'static str,
     child: Child,
     log: PathBuf,
 }
 
 impl Service {
-    fn spawn(
+    pub(crate) fn spawn(
         name: &'static str,
         args: &[String],
         env: &[(&str, String)],
@@ -262,14 +262,14 @@ fn sibling_binary(name: &str) -> Result<PathBuf> {
     Ok(bin)
 }
 
-fn free_port() -> Result<u16> {
+pub(crate) fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port())
 }
 
 /// Wait until the service answers a gRPC health check.
-async fn wait_ready(svc: &mut Service, url: &str, timeout: Duration) -> Result<()> {
+pub(crate) async fn wait_ready(svc: &mut Service, url: &str, timeout: Duration) -> Result<()> {
     let t0 = Instant::now();
     loop {
         svc.check_alive()?;

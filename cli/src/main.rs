@@ -5,7 +5,9 @@
 //! - `generate` / `demo`: talk to the services over the `sequoia.v1` gRPC API.
 
 mod acceptance_cmd;
+mod bench_cmd;
 mod client_cmds;
+mod delay_proxy;
 mod engine_cmds;
 mod tree_cmds;
 
@@ -38,6 +40,10 @@ enum Command {
     GenerateLocal(engine_cmds::GenerateLocalArgs),
     /// Decode speed and tree-forward cost t(n) of a model on this machine.
     EngineBench(engine_cmds::EngineBenchArgs),
+    /// Benchmark methods (target-only, chain, k×d, Sequoia, auto) over a prompt set.
+    Bench(bench_cmd::BenchArgs),
+    /// TCP proxy that adds a round-trip delay (emulates the network between two hosts).
+    NetDelay(delay_proxy::NetDelayArgs),
 }
 
 #[derive(Subcommand)]
@@ -65,5 +71,7 @@ fn main() -> Result<()> {
         Command::Demo(a) => client_cmds::demo(&a),
         Command::GenerateLocal(a) => engine_cmds::generate_local(&a),
         Command::EngineBench(a) => engine_cmds::engine_bench(&a),
+        Command::Bench(a) => bench_cmd::bench(&a),
+        Command::NetDelay(a) => delay_proxy::net_delay(&a),
     }
 }

@@ -52,6 +52,9 @@ pub struct DraftConfig {
     /// Bearer token sent to verify nodes (or `verify_token_file`); empty = none.
     pub verify_token: String,
     pub verify_token_file: PathBuf,
+    /// Plaintext grpc.health.v1-only address for Kubernetes probes (which cannot speak TLS),
+    /// e.g. 0.0.0.0:50061; empty = off (health is always served on `listen` too).
+    pub health_listen: String,
     /// Prometheus `/metrics` address, e.g. 0.0.0.0:9091; empty = off.
     pub metrics_listen: String,
 }
@@ -117,6 +120,7 @@ impl Default for DraftConfig {
             verify_tls_domain: String::new(),
             verify_token: String::new(),
             verify_token_file: PathBuf::new(),
+            health_listen: String::new(),
             metrics_listen: String::new(),
         }
     }

@@ -31,6 +31,7 @@ use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
+use tonic::service::Routes;
 use tonic::{Request, Response, Status};
 
 /// Everything shared by the generations of one draft node.
@@ -216,6 +217,8 @@ pub async fn serve(
         tokens.clone(),
     );
     let metrics_server = state.metrics.spawn_server(&config.metrics_listen).await?;
+    let probe_endpoint =
+        security::spawn_probe_endpoint(Routes::new(health.clone()), &config.health_listen).await?;
     let drain = state.clone();
     let shutdown = async move {
         shutdown.await;
@@ -235,6 +238,7 @@ pub async fn serve(
         mutual_tls = security::given(&config.tls_client_ca).is_some(),
         auth = tokens.is_enabled(),
         metrics = ?metrics_server.as_ref().map(|m| m.addr),
+        health = ?probe_endpoint.as_ref().map(|p| p.addr),
         "draft-service listening"
     );
     let mut server = tonic::transport::Server::builder();

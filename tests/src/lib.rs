@@ -7,7 +7,9 @@ use sequoia_proto::v1::generation_client::GenerationClient;
 use sequoia_proto::v1::{GenerateChunk, GenerateRequest, GenerateSummary};
 use sequoia_shared::engine::testing::{write_tiny_model, TinyArch, TinySpec};
 use sequoia_shared::engine::{LoadOptions, Model};
+use sequoia_shared::metrics::Metrics;
 use sequoia_shared::sampling::{argmax, probs_from_logits, SamplingParams};
+use sequoia_shared::security::ClientSecurity;
 use sequoia_shared::tokenizer::testing::{
     write_tiny_tokenizer, write_tiny_tokenizer_variant, TINY_VOCAB_SIZE,
 };
@@ -76,12 +78,19 @@ impl Default for TinyPair {
 /// every connection at once, like a crashed process.
 pub struct Running {
     pub addr: SocketAddr,
+    /// The `/metrics` endpoint, when the config enables it.
+    pub metrics: Option<SocketAddr>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
 impl Running {
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// The URL for a service with TLS ([`TestPki`] certificates name 127.0.0.1).
+    pub fn https_url(&self) -> String {
+        format!("https://{}", self.addr)
     }
 
     pub fn kill(&mut self) {
@@ -95,6 +104,33 @@ impl Drop for Running {
     fn drop(&mut self) {
         self.kill();
     }
+}
+
+/// Where a service's `/metrics` listens once `serve` has bound it (`None`: metrics off).
+fn metrics_addr(rt: &tokio::runtime::Runtime, metrics: &Metrics) -> Option<SocketAddr> {
+    metrics.is_enabled().then(|| {
+        rt.block_on(within(10, async {
+            loop {
+                match metrics.local_addr() {
+                    Some(a) => return a,
+                    None => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+            }
+        }))
+    })
+}
+
+/// GET `/metrics` (Prometheus text) from a service's metrics endpoint.
+pub async fn scrape(addr: SocketAddr) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.0\r\nHost: test\r\n\r\n")
+        .await
+        .unwrap();
+    let mut response = String::new();
+    conn.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.0 200"), "{response}");
+    response
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -121,11 +157,15 @@ pub fn start_verify(config: VerifyConfig) -> Running {
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let addr = listener.local_addr().unwrap();
+    let metrics = state.metrics.clone();
     rt.spawn(async move {
-        let _ = verify_service::serve(state, listener, std::future::pending()).await;
+        if let Err(e) = verify_service::serve(state, listener, std::future::pending()).await {
+            eprintln!("verify-service stopped: {e:#}");
+        }
     });
     Running {
         addr,
+        metrics: metrics_addr(&rt, &metrics),
         runtime: Some(rt),
     }
 }
@@ -156,11 +196,15 @@ pub fn start_draft(config: DraftConfig) -> Running {
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let addr = listener.local_addr().unwrap();
+    let metrics = state.metrics.clone();
     rt.spawn(async move {
-        let _ = draft_service::serve(state, listener, std::future::pending()).await;
+        if let Err(e) = draft_service::serve(state, listener, std::future::pending()).await {
+            eprintln!("draft-service stopped: {e:#}");
+        }
     });
     Running {
         addr,
+        metrics: metrics_addr(&rt, &metrics),
         runtime: Some(rt),
     }
 }
@@ -175,9 +219,22 @@ pub struct Generated {
 }
 
 pub async fn generate(url: &str, req: GenerateRequest) -> Result<Generated, tonic::Status> {
-    let mut client = GenerationClient::connect(url.to_string())
+    generate_with(url, &ClientSecurity::default(), req).await
+}
+
+/// [`generate`] over TLS (for `https://` URLs) and/or with a bearer token.
+pub async fn generate_with(
+    url: &str,
+    security: &ClientSecurity,
+    req: GenerateRequest,
+) -> Result<Generated, tonic::Status> {
+    let channel = security
+        .endpoint(url)
+        .map_err(|e| tonic::Status::invalid_argument(e.to_string()))?
+        .connect()
         .await
-        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        .map_err(|e| tonic::Status::unavailable(format!("{e:?}")))?;
+    let mut client = GenerationClient::with_interceptor(channel, security.token.clone());
     let mut stream = client.generate(req).await?.into_inner();
     let mut out = Generated::default();
     while let Some(chunk) = stream.message().await? {
@@ -284,4 +341,112 @@ pub async fn within<T>(secs: u64, f: impl std::future::Future<Output = T>) -> T 
     tokio::time::timeout(Duration::from_secs(secs), f)
         .await
         .expect("call hung past its deadline")
+}
+
+/// Target-only greedy decoding from given prompt ids; also returns, at each generated position,
+/// the gap between the best and second-best logit (to recognize near-ties).
+pub fn plain_greedy_ids(model: &Model, eos: &[u32], ids: &[u32], max_tokens: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut cache = model.new_cache();
+    let mut logits = model.forward_chain_last(&mut cache, ids).unwrap();
+    let (mut out, mut gaps) = (Vec::new(), Vec::new());
+    while out.len() < max_tokens {
+        let next = argmax(&logits);
+        let best = logits[next as usize];
+        let second = logits
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != next as usize)
+            .map(|(_, &x)| x)
+            .fold(f32::NEG_INFINITY, f32::max);
+        if eos.contains(&next) {
+            break;
+        }
+        out.push(next);
+        gaps.push(best - second);
+        logits = model.forward_chain_last(&mut cache, &[next]).unwrap();
+    }
+    (out, gaps)
+}
+
+/// The first turn of the first prompt of each category in a Spec-Bench style JSONL file.
+pub fn spec_bench_prompts(path: &Path, count: usize) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let mut seen = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let cat = v["category"].as_str().unwrap_or("").to_string();
+        if seen.insert(cat.clone()) {
+            out.push((cat, v["turns"][0].as_str().unwrap().to_string()));
+        }
+        if out.len() == count {
+            break;
+        }
+    }
+    out
+}
+
+/// Certificates for TLS tests, written as PEM files: a CA, a server certificate for localhost
+/// and 127.0.0.1, and client certificates signed by the CA or by an unrelated one.
+pub struct TestPki {
+    pub dir: tempfile::TempDir,
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+    /// A client certificate from another CA: mutual TLS must refuse it.
+    pub rogue_cert: PathBuf,
+    pub rogue_key: PathBuf,
+}
+
+impl TestPki {
+    pub fn new() -> Self {
+        use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair};
+        let dir = tempfile::tempdir().unwrap();
+        let write = |name: &str, pem: String| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, pem).unwrap();
+            path
+        };
+        let new_ca = |name: &str| {
+            let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+            params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            params
+                .distinguished_name
+                .push(rcgen::DnType::CommonName, name);
+            CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+        };
+        let leaf = |issuer: &CertifiedIssuer<'_, KeyPair>, names: &[&str]| {
+            let key = KeyPair::generate().unwrap();
+            let params =
+                CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                    .unwrap();
+            (
+                params.signed_by(&key, issuer).unwrap().pem(),
+                key.serialize_pem(),
+            )
+        };
+        let ca = new_ca("sequoia test CA");
+        let rogue_ca = new_ca("some other CA");
+        let (server_cert, server_key) = leaf(&ca, &["localhost", "127.0.0.1"]);
+        let (client_cert, client_key) = leaf(&ca, &["draft-service"]);
+        let (rogue_cert, rogue_key) = leaf(&rogue_ca, &["draft-service"]);
+        Self {
+            ca: write("ca.crt", ca.pem()),
+            server_cert: write("server.crt", server_cert),
+            server_key: write("server.key", server_key),
+            client_cert: write("client.crt", client_cert),
+            client_key: write("client.key", client_key),
+            rogue_cert: write("rogue.crt", rogue_cert),
+            rogue_key: write("rogue.key", rogue_key),
+            dir,
+        }
+    }
+}
+
+impl Default for TestPki {
+    fn default() -> Self {
+        Self::new()
+    }
 }

@@ -36,6 +36,9 @@ pub struct VerifyConfig {
     pub auth_tokens: Vec<String>,
     /// File with one accepted token per line (e.g. a mounted Kubernetes Secret).
     pub auth_tokens_file: PathBuf,
+    /// Plaintext grpc.health.v1-only address for Kubernetes probes (which cannot speak TLS),
+    /// e.g. 0.0.0.0:50062; empty = off (health is always served on `listen` too).
+    pub health_listen: String,
     /// Prometheus `/metrics` address, e.g. 0.0.0.0:9090; empty = off.
     pub metrics_listen: String,
 }
@@ -58,6 +61,7 @@ impl Default for VerifyConfig {
             tls_client_ca: PathBuf::new(),
             auth_tokens: Vec::new(),
             auth_tokens_file: PathBuf::new(),
+            health_listen: String::new(),
             metrics_listen: String::new(),
         }
     }

@@ -25,6 +25,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
+use tonic::service::Routes;
 
 /// Largest gRPC message accepted (a 1024-node tree with 1024-entry q's is ~8 MB).
 pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
@@ -74,6 +75,8 @@ pub async fn serve(
         tokens.clone(),
     );
     let metrics_server = state.metrics.spawn_server(&config.metrics_listen).await?;
+    let probe_endpoint =
+        security::spawn_probe_endpoint(Routes::new(health.clone()), &config.health_listen).await?;
     let drain_state = state.clone();
     let shutdown = async move {
         shutdown.await;
@@ -90,6 +93,7 @@ pub async fn serve(
         mutual_tls = security::given(&config.tls_client_ca).is_some(),
         auth = tokens.is_enabled(),
         metrics = ?metrics_server.as_ref().map(|m| m.addr),
+        health = ?probe_endpoint.as_ref().map(|p| p.addr),
         "verify-service listening"
     );
     let mut server = tonic::transport::Server::builder();
