@@ -55,7 +55,6 @@ fn tls_and_tokens_on_the_generation_service() {
 
     let plain = call(draft.url(), ClientSecurity::default()).unwrap_err();
     assert_ne!(plain.code(), Code::Unauthenticated, "{plain:?}");
-    eprintln!("PLAIN {plain:?}\nUNTRUSTED {:?}", call(draft.https_url(), client(Path::new(NONE), "good-token")));
 
     let no_token = call(draft.https_url(), client(&pki.ca, "")).unwrap_err();
     assert_eq!(no_token.code(), Code::Unauthenticated, "{no_token:?}");
@@ -131,7 +130,6 @@ fn mutual_tls_between_draft_and_verify() {
     ] {
         let err = run(&draft_with(cert, key, "draft-secret")).unwrap_err();
         assert_eq!(err.code(), Code::Unavailable, "{what}: {err:?}");
-        eprintln!("{what}: {err:?}");
         assert!(
             err.message().contains(&verify.https_url()),
             "{what}: {err:?}"
@@ -139,8 +137,8 @@ fn mutual_tls_between_draft_and_verify() {
     }
 
     let err = run(&draft_with(&pki.client_cert, &pki.client_key, "wrong")).unwrap_err();
-    assert!(err.message().contains("Unauthenticated"), "{err:?}");
-    eprintln!("TOKEN {err:?}");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    assert!(err.message().contains("verify_token"), "{err:?}");
 
     // Kubernetes probes: plaintext, no certificate, no token.
     let status = rt

@@ -25,6 +25,7 @@
 //! Threads: candle's CPU backend runs on rayon's global pool. [`LoadOptions::threads`] sizes that
 //! pool once per process (see [`init_threads`]); later calls with a different count only warn.
 
+mod attention;
 pub mod cache;
 pub mod model;
 mod qkernels;

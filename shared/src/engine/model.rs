@@ -150,6 +150,8 @@ struct Step<'a> {
     sin: &'a Tensor,
     /// Additive `(n, prefix + n)` mask; `None` when every new token sees everything (n = 1).
     mask: Option<&'a Tensor>,
+    /// The same mask as raw values, for the CPU attention kernel.
+    mask_data: Option<&'a [f32]>,
     /// Cache entries before the new tokens.
     prefix: usize,
 }
@@ -186,6 +188,22 @@ impl Attention {
         let v = v.transpose(0, 1)?.contiguous()?;
         kv.k.slice_set(&k, 1, step.prefix)?;
         kv.v.slice_set(&v, 1, step.prefix)?;
+        if x.device().is_cpu() && q.dtype() == DType::F32 {
+            // Same arithmetic for a node whatever the tree size: see engine/attention.rs.
+            let q = q.squeeze(0)?.contiguous()?; // (n, h, d)
+            let dims = super::attention::Dims {
+                n,
+                heads: h,
+                kv_heads: kvh,
+                head_dim: d,
+                len,
+                cap: kv.k.dim(1)?,
+            };
+            let out = super::attention::attend(&q, &kv.k, &kv.v, step.mask_data, &dims)?;
+            return self
+                .wo
+                .forward(&Tensor::from_vec(out, (n, h * d), x.device())?);
+        }
         let keys = kv.k.narrow(1, 0, len)?; // (kvh, len, d)
         let values = kv.v.narrow(1, 0, len)?;
 
@@ -554,14 +572,15 @@ impl Model {
         let pos = Tensor::new(positions, dev)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
-        let mask = match mask {
-            Some(m) => Some(Tensor::from_vec(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?),
+        let mask_t = match &mask {
+            Some(m) => Some(Tensor::from_slice(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?),
             None => None,
         };
         let step = Step {
             cos: &cos,
             sin: &sin,
-            mask: mask.as_ref(),
+            mask: mask_t.as_ref(),
+            mask_data: mask.as_deref(),
             prefix,
         };
         let mut x = self.embed.forward(tokens, dev)?.to_dtype(self.dtype)?;
