@@ -75,8 +75,10 @@ pub struct BenchArgs {
     /// Sampling temperatures (0 = greedy).
     #[arg(long, value_delimiter = ',', default_value = "0,0.7")]
     pub temperatures: Vec<f32>,
-    /// Methods: target, chain:L, kxd:KxD, kxd-best:B, sequoia:B, auto (see `sequoia bench --help`
-    /// and the module docs; budgets count drafted tokens).
+    /// Methods: target (root-only trees = plain target decoding, the baseline), chain:L (L
+    /// drafted tokens in a chain), kxd:KxD (K chains of D), kxd-best:B (best K×D with K·D ≤ B),
+    /// sequoia:B (Sequoia-optimal tree of B drafted tokens, B + 1 nodes), auto (the service's
+    /// own planner).
     #[arg(
         long,
         value_delimiter = ',',
@@ -95,7 +97,7 @@ pub struct BenchArgs {
     pub acceptance: Option<Vec<f64>>,
     /// Held-out prompts per temperature used to measure the acceptance vector (0 = use the
     /// example vector of ALGORITHMS.md §2 unless --acceptance is given).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 4)]
     pub calibration_prompts: usize,
     /// Send the prompt text raw instead of as a chat message (models without a chat template).
     #[arg(long)]
@@ -122,8 +124,9 @@ pub struct BenchArgs {
     /// Compute threads of the started verify-service (default: all cores).
     #[arg(long)]
     pub verify_threads: Option<usize>,
-    /// Round-trip time added between the started services by an in-process delay proxy (ms).
-    /// The baseline then gets a draft-service of its own, connected without the delay.
+    /// Round-trip time (ms) added between the started services by an in-process delay proxy;
+    /// the baseline then gets a draft-service of its own, connected without the delay. With
+    /// --draft-addr it is only recorded (the network is set up outside, e.g. by two-hosts.sh).
     #[arg(long, default_value_t = 0.0)]
     pub rtt_ms: f64,
     /// Largest tree (nodes) the started draft-service's auto planner considers.
@@ -306,7 +309,9 @@ pub fn load_prompts(path: &Path) -> Result<Vec<Prompt>> {
             .get("turns")
             .and_then(|t| t.get(0))
             .and_then(|t| t.as_str())
-            .with_context(|| format!("{}:{}: no \"turns\" list of strings", path.display(), i + 1))?;
+            .with_context(|| {
+                format!("{}:{}: no \"turns\" list of strings", path.display(), i + 1)
+            })?;
         out.push(Prompt {
             id: v
                 .get("question_id")
@@ -328,7 +333,8 @@ pub fn load_prompts(path: &Path) -> Result<Vec<Prompt>> {
 
 /// The measured prompts (the first `per_category` of each category, interleaved across
 /// categories so a partial run covers all of them) and up to `heldout` other prompts for
-/// calibration (round-robin over categories; the measured ones when none are left).
+/// calibration (the last ones of the categories, spread over them; the measured ones when none
+/// are left).
 pub fn select_prompts(
     all: &[Prompt],
     categories: &[String],
@@ -351,33 +357,36 @@ pub fn select_prompts(
             bail!("no prompts of category {c:?} in the prompt file");
         }
     }
-    let round_robin = |from: usize, limit: usize| -> Vec<Prompt> {
-        let mut out = Vec::new();
-        for i in from.. {
-            let mut any = false;
-            for c in &order {
-                if let Some(p) = by_cat[c].get(i) {
-                    if i < limit {
-                        out.push((*p).clone());
-                    }
-                    any = true;
-                }
-            }
-            if !any || i + 1 >= limit {
-                break;
+    // Interleave across categories: the i-th prompt of every category, for i = 0, 1, ...
+    let mut measured: Vec<Prompt> = Vec::new();
+    for i in 0..per_category {
+        for c in &order {
+            if let Some(p) = by_cat[c].get(i) {
+                measured.push((*p).clone());
             }
         }
-        out
-    };
-    let measured = round_robin(0, per_category);
+    }
     if measured.is_empty() {
         bail!("no prompts selected (is --max-prompts-per-category 0?)");
     }
-    let mut cal = round_robin(per_category, usize::MAX);
+    // Calibration prompts come from the end of each category, so that a later run with more
+    // prompts per category (resuming into the same results) does not measure them.
+    let longest = by_cat.values().map(Vec::len).max().unwrap_or(0);
+    let mut cal: Vec<Prompt> = Vec::new();
+    for i in 0..longest {
+        for c in &order {
+            let v = &by_cat[c];
+            if v.len() > per_category + i {
+                cal.push(v[v.len() - 1 - i].clone());
+            }
+        }
+    }
     if cal.is_empty() {
         cal = measured.clone();
     }
-    cal.truncate(heldout);
+    // Spread the calibration prompts over the categories (the list is interleaved by category).
+    let stride = (order.len().min(cal.len()) / heldout.max(1)).max(1);
+    let cal = cal.into_iter().step_by(stride).take(heldout).collect();
     Ok((measured, cal))
 }
 
@@ -565,11 +574,9 @@ impl ResultsLog {
         self.records
             .iter()
             .filter_map(|r| match r {
-                Record::Run(r) if r.error.is_none() => Some((
-                    r.question_id,
-                    r.method.clone(),
-                    temp_key(r.temperature),
-                )),
+                Record::Run(r) if r.error.is_none() => {
+                    Some((r.question_id, r.method.clone(), temp_key(r.temperature)))
+                }
                 _ => None,
             })
             .collect()
@@ -631,7 +638,11 @@ fn spawn_services(args: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Spaw
     ];
     verify_args.extend(threads(args.verify_threads));
     let mut verify = Service::spawn("verify-service", &verify_args, &[], &logs)?;
-    rt.block_on(wait_ready(&mut verify, &verify_url, Duration::from_secs(300)))?;
+    rt.block_on(wait_ready(
+        &mut verify,
+        &verify_url,
+        Duration::from_secs(300),
+    ))?;
     let mut services = vec![verify];
 
     // The delay proxy runs on the bench's runtime, between the draft-service and verify.
@@ -666,7 +677,10 @@ fn spawn_services(args: &BenchArgs, rt: &tokio::runtime::Runtime) -> Result<Spaw
             format!("127.0.0.1:{port}"),
         ];
         a.extend(threads(args.draft_threads));
-        let mut env = vec![("SEQUOIA_TREE__MODE", if auto { "auto" } else { "fixed" }.into())];
+        let mut env = vec![(
+            "SEQUOIA_TREE__MODE",
+            if auto { "auto" } else { "fixed" }.into(),
+        )];
         if let Some(n) = args.auto_max_nodes {
             env.push(("SEQUOIA_TREE__NODES", n.to_string()));
         }
@@ -727,7 +741,13 @@ async fn generate(
     Ok(rec)
 }
 
-fn request(args: &BenchArgs, prompt: &Prompt, t: f32, max_tokens: u32, tree: Option<&Tree>) -> GenerateRequest {
+fn request(
+    args: &BenchArgs,
+    prompt: &Prompt,
+    t: f32,
+    max_tokens: u32,
+    tree: Option<&Tree>,
+) -> GenerateRequest {
     let mut req = GenerateRequest {
         max_tokens,
         temperature: t,
@@ -1130,7 +1150,14 @@ mod tests {
             Method::KxD { k: 2, d: 3 }
         );
         for bad in [
-            "chain", "chain:0", "chain:x", "kxd:2", "kxd:0x3", "foo", "target:1", "sequoia:600",
+            "chain",
+            "chain:0",
+            "chain:x",
+            "kxd:2",
+            "kxd:0x3",
+            "foo",
+            "target:1",
+            "sequoia:600",
         ] {
             assert!(bad.parse::<Method>().is_err(), "{bad} should not parse");
         }
@@ -1171,7 +1198,7 @@ mod tests {
         // A very accurate rank 1 favours one deep chain.
         assert_eq!(best_k_by_d_shape(&p, 6, 10), (1, 6));
         // ... unless the levels are capped.
-        assert_eq!(best_k_by_d_shape(&p, 6, 3), (3, 2));
+        assert_eq!(best_k_by_d_shape(&p, 6, 3), (2, 2)); // a third chain adds nothing (p_3 = 0)
         let flat = [0.3, 0.3, 0.3];
         let (k, d) = best_k_by_d_shape(&flat, 6, 10);
         assert!(k * d <= 6 && k >= 2, "{k}x{d}");
@@ -1198,7 +1225,7 @@ mod tests {
         let names: Vec<&str> = m.iter().map(|p| p.text.as_str()).collect();
         assert_eq!(names, ["a0", "b0", "c0", "a1", "c1"]);
         let held: Vec<&str> = h.iter().map(|p| p.text.as_str()).collect();
-        assert_eq!(held, ["a2", "c2", "c3"]);
+        assert_eq!(held, ["a2", "c3", "c2"]);
         let (_, h) = select_prompts(&all, &[], 2, 1).unwrap();
         assert_eq!(h.len(), 1);
         // Everything measured: calibration falls back to measured prompts.
@@ -1221,7 +1248,10 @@ mod tests {
         .unwrap();
         let p = load_prompts(&f).unwrap();
         assert_eq!(p.len(), 2);
-        assert_eq!((p[0].id, p[0].category.as_str(), p[0].text.as_str()), (7, "qa", "hi"));
+        assert_eq!(
+            (p[0].id, p[0].category.as_str(), p[0].text.as_str()),
+            (7, "qa", "hi")
+        );
         assert_eq!(p[1].category, "all");
         std::fs::write(&f, "{\"turns\": 3}\n").unwrap();
         assert!(load_prompts(&f).is_err());
@@ -1229,13 +1259,21 @@ mod tests {
 
     #[test]
     fn vendored_spec_bench_has_13_categories() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/spec_bench/question.jsonl");
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/spec_bench/question.jsonl");
         let all = load_prompts(&path).unwrap();
         assert_eq!(all.len(), 480);
         let (m, h) = select_prompts(&all, &[], 1, 3).unwrap();
         assert_eq!(m.len(), 13);
         assert_eq!(h.len(), 3);
         assert!(h.iter().all(|p| m.iter().all(|q| q.id != p.id)));
+        let cats: std::collections::BTreeSet<&str> =
+            h.iter().map(|p| p.category.as_str()).collect();
+        assert_eq!(
+            cats.len(),
+            3,
+            "calibration prompts come from different categories"
+        );
     }
 
     #[test]
@@ -1321,5 +1359,122 @@ mod tests {
             ..config
         };
         assert!(ResultsLog::open(&path, &relabelled).is_ok());
+    }
+
+    /// The whole command against tiny random-weight services started in-process: calibration,
+    /// every method kind at T = 0 and T = 0.7, the report, and a resumed run that has nothing
+    /// left to do.
+    #[test]
+    fn end_to_end_on_tiny_services() {
+        use clap::Parser;
+        use sequoia_tests::{draft_config, start_draft, start_verify, verify_config, TinyPair};
+
+        let pair = TinyPair::new();
+        let verify = start_verify(verify_config(&pair.target));
+        let mut cfg = draft_config(&pair.draft, &[verify.url()], 8, 4);
+        cfg.tree.mode = "auto".into();
+        let draft = start_draft(cfg);
+
+        let dir = tempfile::tempdir().unwrap();
+        let prompts = dir.path().join("q.jsonl");
+        let mut lines = String::new();
+        for (i, (cat, text)) in [
+            ("a", "hello world"),
+            ("a", "The quick brown fox"),
+            ("b", "fn main() {}"),
+            ("b", "a"),
+        ]
+        .iter()
+        .enumerate()
+        {
+            lines.push_str(&format!(
+                "{{\"question_id\": {}, \"category\": \"{cat}\", \"turns\": [\"{text}\"]}}\n",
+                i + 1
+            ));
+        }
+        std::fs::write(&prompts, lines).unwrap();
+        let out = dir.path().join("out");
+        #[derive(clap::Parser)]
+        struct W {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        let args = W::parse_from([
+            "bench",
+            "--draft-addr",
+            &draft.url(),
+            "--raw",
+            "--prompts",
+            prompts.to_str().unwrap(),
+            "--max-prompts-per-category",
+            "1",
+            "--calibration-prompts",
+            "1",
+            "--max-tokens",
+            "12",
+            "--methods",
+            "target,chain:2,kxd:2x2,kxd-best:4,sequoia:4,auto",
+            "--out-dir",
+            out.to_str().unwrap(),
+            "--no-charts",
+        ])
+        .a;
+        bench(&args).unwrap();
+
+        let records = ResultsLog::read(&out.join("results.jsonl")).unwrap();
+        let runs: Vec<&RunRecord> = records
+            .iter()
+            .filter_map(|r| match r {
+                Record::Run(r) => Some(r),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            runs.len(),
+            2 * 2 * 6,
+            "2 prompts × 2 temperatures × 6 methods"
+        );
+        assert!(runs.iter().all(|r| r.error.is_none()));
+        let cal = records
+            .iter()
+            .filter(|r| matches!(r, Record::Calibration(c) if c.source == "measured"))
+            .count();
+        assert_eq!(cal, 2, "one measured acceptance vector per temperature");
+        for r in &runs {
+            assert!(r.generated_tokens > 0 && r.total_ms > 0.0, "{r:?}");
+            match r.method.as_str() {
+                "target" => assert_eq!((r.nodes, r.plan_mode.as_str()), (1, "request")),
+                "chain:2" => assert_eq!(r.nodes, 3),
+                "kxd:2x2" => assert_eq!(r.nodes, 5),
+                // The DP leaves out nodes worth nothing under the measured vector.
+                "sequoia:4" | "kxd-best:4" => assert!((2..=5).contains(&r.nodes), "{r:?}"),
+                "auto" => assert_eq!(r.plan_mode, "auto"),
+                _ => {}
+            }
+        }
+        // Exactness: at T = 0 every method emits the target-only tokens.
+        for r in runs.iter().filter(|r| r.temperature == 0.0) {
+            let target = runs
+                .iter()
+                .find(|t| {
+                    t.temperature == 0.0 && t.method == "target" && t.question_id == r.question_id
+                })
+                .unwrap();
+            assert_eq!(
+                r.tokens, target.tokens,
+                "{} on prompt {}",
+                r.method, r.question_id
+            );
+        }
+        let rep: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+        assert_eq!(rep["complete_groups"], 4);
+        let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+        assert!(md.contains("| **overall** |"), "{md}");
+
+        // Resuming finds everything done: no new runs.
+        bench(&args).unwrap();
+        let again = ResultsLog::read(&out.join("results.jsonl")).unwrap();
+        assert_eq!(again.len(), records.len());
     }
 }

@@ -9,6 +9,7 @@ use sequoia_shared::models;
 use sequoia_shared::sampling::{
     argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
 };
+use sequoia_shared::security::{self, BearerToken, ClientSecurity};
 use sequoia_shared::tokenizer::{ChatMessage, TextTokenizer};
 use serde::Serialize;
 use std::io::Write;
@@ -45,6 +46,24 @@ pub struct GenerateArgs {
     /// Print one JSON object at the end instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Bearer token, for a draft-service with auth_tokens set.
+    #[arg(long, env = "SEQUOIA_TOKEN", hide_env_values = true)]
+    pub token: Option<String>,
+    /// CA certificate (PEM) to trust for an https:// address, besides the system roots.
+    #[arg(long)]
+    pub ca_cert: Option<PathBuf>,
+}
+
+/// TLS for https:// addresses (--ca-cert) and the bearer token (--token / SEQUOIA_TOKEN).
+fn client_security(args: &GenerateArgs) -> Result<ClientSecurity> {
+    let none = Path::new("");
+    let tls = args
+        .ca_cert
+        .as_deref()
+        .map(|ca| security::client_tls(ca, none, none, ""))
+        .transpose()?;
+    let token = BearerToken::new(args.token.as_deref().unwrap_or(""), none)?;
+    Ok(ClientSecurity { tls, token })
 }
 
 #[derive(Serialize)]
@@ -80,10 +99,18 @@ fn request_of(args: &GenerateArgs) -> GenerateRequest {
 }
 
 /// Stream one generation; text goes to stdout as it arrives unless `quiet`.
-async fn run_generate(addr: &str, req: GenerateRequest, quiet: bool) -> Result<GenerateReport> {
-    let mut client = GenerationClient::connect(addr.to_string())
+async fn run_generate(
+    addr: &str,
+    security: &ClientSecurity,
+    req: GenerateRequest,
+    quiet: bool,
+) -> Result<GenerateReport> {
+    let channel = security
+        .endpoint(addr)?
+        .connect()
         .await
         .with_context(|| format!("cannot connect to draft-service at {addr}"))?;
+    let mut client = GenerationClient::with_interceptor(channel, security.token.clone());
     let mut stream = client
         .generate(req)
         .await
@@ -127,7 +154,13 @@ async fn run_generate(addr: &str, req: GenerateRequest, quiet: bool) -> Result<G
 
 pub fn generate(args: &GenerateArgs) -> Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
-    let report = rt.block_on(run_generate(&args.addr, request_of(args), args.json))?;
+    let security = client_security(args)?;
+    let report = rt.block_on(run_generate(
+        &args.addr,
+        &security,
+        request_of(args),
+        args.json,
+    ))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
@@ -400,8 +433,15 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         seed: Some(0),
         stop: vec![],
         json: false,
+        token: None,
+        ca_cert: None,
     };
-    let report = rt.block_on(run_generate(&draft_url, request_of(&gen_args), false))?;
+    let report = rt.block_on(run_generate(
+        &draft_url,
+        &ClientSecurity::default(),
+        request_of(&gen_args),
+        false,
+    ))?;
     drafter.stop();
     verify.stop();
     eprintln!(

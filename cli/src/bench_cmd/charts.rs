@@ -170,56 +170,68 @@ pub fn speedup_chart(
 /// A line of the tokens-per-step chart: (tree nodes, tokens per step, point label) points.
 pub struct Series {
     pub name: String,
+    /// Index into the color table (the same method family keeps its color in every panel).
+    pub color: usize,
     pub points: Vec<(f64, f64, String)>,
 }
 
-/// Mean tokens per step against tree size (nodes, root included), one line per series.
-pub fn tokens_per_step_chart(path: &Path, series: &[Series]) -> Result<()> {
-    let pts = series.iter().flat_map(|s| s.points.iter());
+/// Mean tokens per step against tree size (nodes, root included): one panel per
+/// (title, series) entry, side by side with shared axes, one line per series.
+pub fn tokens_per_step_chart(path: &Path, panels: &[(String, Vec<Series>)]) -> Result<()> {
+    let pts = panels
+        .iter()
+        .flat_map(|(_, s)| s.iter())
+        .flat_map(|s| s.points.iter());
     let xmax = pts.clone().map(|p| p.0).fold(2.0f64, f64::max);
     let ymax = pts.map(|p| p.1).fold(1.5f64, f64::max);
-    let root = BitMapBackend::new(path, (1000, 640)).into_drawing_area();
+    let n = panels.len().max(1);
+    let root = BitMapBackend::new(path, (760 * n as u32, 640)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption("Tokens per step vs tree size", (FONT, 24))
-        .margin(16)
-        .x_label_area_size(48)
-        .y_label_area_size(64)
-        .build_cartesian_2d(0f64..xmax * 1.12, 0.8f64..ymax * 1.25)
+    let root = root
+        .titled("Tokens per step vs tree size", (FONT, 24))
         .map_err(plot_err)?;
-    chart
-        .configure_mesh()
-        .x_desc("tree nodes (root included; auto: mean of its plans)")
-        .y_desc("mean tokens per step")
-        .label_style((FONT, 14))
-        .axis_desc_style((FONT, 15))
-        .draw()
-        .map_err(plot_err)?;
-    for (i, s) in series.iter().enumerate() {
-        let c = color(i);
-        let xy: Vec<(f64, f64)> = s.points.iter().map(|p| (p.0, p.1)).collect();
-        chart
-            .draw_series(LineSeries::new(xy.clone(), c.stroke_width(2)))
-            .map_err(plot_err)?
-            .label(s.name.as_str())
-            .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], c.stroke_width(3)));
-        chart
-            .draw_series(xy.iter().map(|&p| Circle::new(p, 4, c.filled())))
+    for (area, (title, series)) in root.split_evenly((1, n)).iter().zip(panels) {
+        let mut chart = ChartBuilder::on(area)
+            .caption(title, (FONT, 18))
+            .margin(16)
+            .x_label_area_size(48)
+            .y_label_area_size(64)
+            .build_cartesian_2d(0f64..xmax * 1.15, 0.8f64..ymax * 1.2)
             .map_err(plot_err)?;
         chart
-            .draw_series(s.points.iter().map(|(x, y, label)| {
-                Text::new(label.clone(), (*x, *y), (FONT, 12).into_font().color(&c))
-            }))
+            .configure_mesh()
+            .x_desc("tree nodes (root included; auto: mean of its plans)")
+            .y_desc("mean tokens per step")
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 15))
+            .draw()
+            .map_err(plot_err)?;
+        for s in series {
+            let c = color(s.color);
+            let xy: Vec<(f64, f64)> = s.points.iter().map(|p| (p.0, p.1)).collect();
+            chart
+                .draw_series(LineSeries::new(xy.clone(), c.stroke_width(2)))
+                .map_err(plot_err)?
+                .label(s.name.as_str())
+                .legend(move |(x, y)| PathElement::new([(x, y), (x + 18, y)], c.stroke_width(3)));
+            // Each point: a dot, and the method's name just above and right of it.
+            chart
+                .draw_series(s.points.iter().map(|(x, y, label)| {
+                    EmptyElement::at((*x, *y))
+                        + Circle::new((0, 0), 4, c.filled())
+                        + Text::new(label.clone(), (6, -16), (FONT, 12).into_font().color(&c))
+                }))
+                .map_err(plot_err)?;
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.9))
+            .border_style(BLACK)
+            .label_font((FONT, 14))
+            .draw()
             .map_err(plot_err)?;
     }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.9))
-        .border_style(BLACK)
-        .label_font((FONT, 14))
-        .draw()
-        .map_err(plot_err)?;
     root.present().map_err(plot_err)?;
     Ok(())
 }

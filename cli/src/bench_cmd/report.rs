@@ -12,7 +12,7 @@ use super::{
 };
 use anyhow::Result;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 /// Category name of the pooled rows.
@@ -159,9 +159,9 @@ pub struct Report {
 impl Report {
     pub fn cell(&self, t: f32, method: &str, category: &str) -> Option<&Cell> {
         let tk = temp_key(t);
-        self.cells.iter().find(|c| {
-            temp_key(c.temperature) == tk && c.method == method && c.category == category
-        })
+        self.cells
+            .iter()
+            .find(|c| temp_key(c.temperature) == tk && c.method == method && c.category == category)
     }
 }
 
@@ -352,6 +352,11 @@ pub fn markdown(rep: &Report) -> String {
         .chain([OVERALL])
         .collect();
     for &t in &rep.temperatures {
+        let cats: Vec<&str> = cats
+            .iter()
+            .copied()
+            .filter(|c| rep.methods.iter().any(|m| rep.cell(t, m, c).is_some()))
+            .collect();
         let _ = writeln!(s, "\n## T = {t}\n");
         let _ = writeln!(s, "### Speedup over target-only, by category\n");
         let _ = write!(s, "| category | prompts | target tok/s |");
@@ -396,10 +401,7 @@ pub fn markdown(rep: &Report) -> String {
         }
 
         let _ = writeln!(s, "\n### Per method, all categories pooled\n");
-        let _ = write!(
-            s,
-            "| method | nodes | tok/s | speedup | tokens/step |"
-        );
+        let _ = write!(s, "| method | nodes | tok/s | speedup | tokens/step |");
         for r in 1..=SHOWN_RANKS {
             let _ = write!(s, " p{r} |");
         }
@@ -412,7 +414,11 @@ pub fn markdown(rep: &Report) -> String {
         for _ in 1..=SHOWN_RANKS {
             let _ = write!(s, "---:|");
         }
-        let _ = writeln!(s, "---:|---:|---:|---:|{}", if t == 0.0 { "---:|" } else { "" });
+        let _ = writeln!(
+            s,
+            "---:|---:|---:|---:|{}",
+            if t == 0.0 { "---:|" } else { "" }
+        );
         for m in &rep.methods {
             let Some(c) = rep.cell(t, m, OVERALL) else {
                 continue;
@@ -537,20 +543,16 @@ fn write_charts(rep: &Report, dir: &std::path::Path) -> Result<Vec<String>> {
         )?;
         files.push(name);
     }
-    // Tokens per step against tree size: one series per method family and temperature.
-    let mut series: Vec<charts::Series> = Vec::new();
+    // Tokens per step against tree size: a panel per temperature, a line per method family.
+    const FAMILIES: [&str; 5] = ["target", "chain", "kxd", "sequoia", "auto"];
+    let mut panels = Vec::new();
     for &t in &rep.temperatures {
-        let families: BTreeSet<&str> = rep
-            .methods
-            .iter()
-            .filter_map(|m| m.parse::<Method>().ok())
-            .map(|m| m.family())
-            .collect();
-        for fam in families {
+        let mut series = Vec::new();
+        for (fi, fam) in FAMILIES.iter().enumerate() {
             let mut points: Vec<(f64, f64, String)> = rep
                 .methods
                 .iter()
-                .filter(|m| m.parse::<Method>().is_ok_and(|x| x.family() == fam))
+                .filter(|m| m.parse::<Method>().is_ok_and(|x| x.family() == *fam))
                 .filter_map(|m| {
                     rep.cell(t, m, OVERALL)
                         .map(|c| (c.mean_nodes, c.tokens_per_step, m.clone()))
@@ -559,14 +561,16 @@ fn write_charts(rep: &Report, dir: &std::path::Path) -> Result<Vec<String>> {
             points.sort_by(|a, b| a.0.total_cmp(&b.0));
             if !points.is_empty() {
                 series.push(charts::Series {
-                    name: format!("{fam}, T = {t}"),
+                    name: fam.to_string(),
+                    color: fi,
                     points,
                 });
             }
         }
+        panels.push((format!("T = {t}"), series));
     }
     let name = "tokens_per_step.png".to_string();
-    charts::tokens_per_step_chart(&dir.join(&name), &series)?;
+    charts::tokens_per_step_chart(&dir.join(&name), &panels)?;
     files.push(name);
     Ok(files)
 }
@@ -647,9 +651,18 @@ mod tests {
         let md = markdown(&rep);
         assert!(md.contains("## T = 0\n"), "{md}");
         assert!(md.contains("## T = 0.7"), "{md}");
-        assert!(md.contains("| **overall** | 2 | 10.00 | **1.20×** |"), "{md}");
-        assert!(md.contains("| chain:2 | 5.0 | 12.00 | 1.20× | 2.00 | 0.750 | 0.250 | – | – |"), "{md}");
-        assert!(md.contains("1/1"), "{md}");
+        assert!(
+            md.contains("| **overall** | 2 | 10.00 | **1.20×** |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| chain:2 | 5.0 | 12.00 | 1.20× | 2.00 | 0.750 | 0.250 | – | – |"),
+            "{md}"
+        );
+        assert!(md.contains("| 2/2 |"), "{md}");
+        // Categories without results at a temperature get no row there.
+        let hot = &md[md.find("## T = 0.7").unwrap()..];
+        assert!(!hot.contains("| math |"), "{md}");
     }
 
     #[test]
