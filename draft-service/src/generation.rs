@@ -12,6 +12,7 @@ use sequoia_proto::v1::{
 use sequoia_shared::drafting::{DraftSession, DraftedTree};
 use sequoia_shared::sampling::SamplingParams;
 use sequoia_shared::tokenizer::{ChatMessage, IncrementalDecoder};
+use sequoia_shared::tree::Tree;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -388,8 +389,18 @@ async fn generate_on(
                 .map_err(|e| Status::internal(format!("tree planner: {e}")))?;
             replans += 1;
         }
+        let every = state.planner.replan_every();
         let shape = match &prep.forced_tree {
             Some(t) if t.len() <= room => t.clone(),
+            // Auto mode without speculation would never see a verdict again: probe with a
+            // two-node chain once per re-plan period so the acceptance estimate keeps learning.
+            _ if plan.mode == "auto"
+                && plan.shape(room).len() == 1
+                && room >= 2
+                && stats.steps % every == every - 1 =>
+            {
+                Tree::chain(2)
+            }
             _ => plan.shape(room),
         };
         // Grow the tree (CPU-bound) without stalling the async workers.

@@ -89,6 +89,13 @@ pub fn unavailable(addr: &str, s: &Status) -> Status {
         InvalidArgument | ResourceExhausted | FailedPrecondition | Internal => {
             Status::new(s.code(), format!("verify node {addr}: {}", s.message()))
         }
+        // The node is up but refuses this draft node: a deployment mistake, so say which settings.
+        Unauthenticated | PermissionDenied => Status::unavailable(format!(
+            "verify node {addr} refused this draft node ({:?}: {}); check verify_token / \
+             verify_token_file against the node's auth_tokens",
+            s.code(),
+            s.message()
+        )),
         _ => Status::unavailable(format!(
             "verify node {addr} is unavailable ({:?}: {}); check that verify-service runs there",
             s.code(),

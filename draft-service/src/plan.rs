@@ -120,6 +120,7 @@ struct Drift {
     draft: f64,
 }
 
+#[derive(Debug)]
 pub struct Planner {
     cfg: TreeConfig,
     wire_top_k: usize,

@@ -8,7 +8,10 @@
 //!
 //! Conventions: an empty path means "not set"; TLS is used exactly when a URL says `https://`;
 //! authentication is on when at least one token is configured. Tokens are compared by SHA-256
-//! digest, so a comparison's timing says nothing about the accepted tokens.
+//! digest, so a comparison's timing says nothing about the accepted tokens. The token check is
+//! an interceptor on the sequoia services only, so grpc.health.v1 stays open; and since
+//! Kubernetes' gRPC probes cannot speak TLS, [`spawn_probe_endpoint`] serves health alone on a
+//! plaintext port.
 
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -253,7 +256,7 @@ impl TokenCheck {
                 )
             })?;
         let d = digest(token.trim());
-        if self.0.iter().any(|known| *known == d) {
+        if self.0.contains(&d) {
             Ok(())
         } else {
             Err(Status::unauthenticated(

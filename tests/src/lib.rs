@@ -345,7 +345,12 @@ pub async fn within<T>(secs: u64, f: impl std::future::Future<Output = T>) -> T 
 
 /// Target-only greedy decoding from given prompt ids; also returns, at each generated position,
 /// the gap between the best and second-best logit (to recognize near-ties).
-pub fn plain_greedy_ids(model: &Model, eos: &[u32], ids: &[u32], max_tokens: usize) -> (Vec<u32>, Vec<f32>) {
+pub fn plain_greedy_ids(
+    model: &Model,
+    eos: &[u32],
+    ids: &[u32],
+    max_tokens: usize,
+) -> (Vec<u32>, Vec<f32>) {
     let mut cache = model.new_cache();
     let mut logits = model.forward_chain_last(&mut cache, ids).unwrap();
     let (mut out, mut gaps) = (Vec::new(), Vec::new());
@@ -370,7 +375,8 @@ pub fn plain_greedy_ids(model: &Model, eos: &[u32], ids: &[u32], max_tokens: usi
 
 /// The first turn of the first prompt of each category in a Spec-Bench style JSONL file.
 pub fn spec_bench_prompts(path: &Path, count: usize) -> Vec<(String, String)> {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let mut seen = std::collections::BTreeSet::new();
     let mut out = Vec::new();
     for line in text.lines().filter(|l| !l.trim().is_empty()) {

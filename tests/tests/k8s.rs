@@ -199,6 +199,7 @@ fn check_env_names<C: Serialize + Default>(c: &Container) -> BTreeMap<String, St
 
 /// The configuration a container runs with: `--config FILE` (from its ConfigMap) under its
 /// SEQUOIA_* variables, loaded by the services' own loader.
+#[allow(clippy::result_large_err)] // figment::Jail's closure type
 fn load_config<C: Serialize + DeserializeOwned + Default>(
     r: &Rendered,
     d: &Deployment,

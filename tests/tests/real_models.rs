@@ -16,7 +16,8 @@ use std::path::Path;
 fn greedy_pair_matches_target_on_spec_bench() {
     let target = ensure_model(QWEN_CODER_1_5B).expect("fetching the target model");
     let draft = ensure_model(QWEN_CODER_0_5B).expect("fetching the draft model");
-    let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/spec_bench/question.jsonl");
+    let data =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/spec_bench/question.jsonl");
     let vendored = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/spec_bench/question.jsonl");
     let prompts = spec_bench_prompts(if vendored.exists() { &vendored } else { &data }, 10);
     assert_eq!(prompts.len(), 10);
@@ -29,13 +30,19 @@ fn greedy_pair_matches_target_on_spec_bench() {
     let mut got = Vec::new();
     for (_, prompt) in &prompts {
         let req = GenerateRequest {
-            messages: vec![ChatMessage { role: "user".into(), content: prompt.clone() }],
+            messages: vec![ChatMessage {
+                role: "user".into(),
+                content: prompt.clone(),
+            }],
             max_tokens: 64,
             temperature: 0.0,
             seed: Some(0),
             ..Default::default()
         };
-        got.push(rt.block_on(within(600, generate(&pair.url(), req))).expect("generation"));
+        got.push(
+            rt.block_on(within(600, generate(&pair.url(), req)))
+                .expect("generation"),
+        );
     }
     drop(pair);
     drop(verify);
@@ -44,18 +51,31 @@ fn greedy_pair_matches_target_on_spec_bench() {
     let tok = TextTokenizer::load_for_model(&target).unwrap();
     let mut matches = 0;
     for ((cat, prompt), g) in prompts.iter().zip(&got) {
-        let text = tok.apply_chat_template(&[Msg::user(prompt.clone())], true).unwrap();
+        let text = tok
+            .apply_chat_template(&[Msg::user(prompt.clone())], true)
+            .unwrap();
         let ids = tok.encode(&text, false).unwrap();
         let (want, gaps) = plain_greedy_ids(&model, tok.eos_ids(), &ids, 64);
         let s = g.summary.as_ref().unwrap();
         if g.tokens == want {
             matches += 1;
-            eprintln!("{cat:>16}: identical ({} tokens, {:.2} tokens/step)", want.len(), s.mean_tokens_per_step);
+            eprintln!(
+                "{cat:>16}: identical ({} tokens, {:.2} tokens/step)",
+                want.len(),
+                s.mean_tokens_per_step
+            );
         } else {
-            let at = want.iter().zip(&g.tokens).position(|(a, b)| a != b).unwrap_or(want.len().min(g.tokens.len()));
+            let at = want
+                .iter()
+                .zip(&g.tokens)
+                .position(|(a, b)| a != b)
+                .unwrap_or(want.len().min(g.tokens.len()));
             let gap = gaps.get(at).copied().unwrap_or(0.0);
             eprintln!("{cat:>16}: differs at token {at}; target top-2 logit gap there {gap:.4}");
-            assert!(gap < 0.5, "{cat}: a mismatch at a clear (gap {gap}) decision is a bug");
+            assert!(
+                gap < 0.5,
+                "{cat}: a mismatch at a clear (gap {gap}) decision is a bug"
+            );
         }
     }
     assert!(matches >= 9, "only {matches} of 10 prompts matched exactly");

@@ -4,14 +4,18 @@
 //! re-decoding the weight block for every input row, and Q5_0 (the bulk of Qwen2.5-0.5B's
 //! weights) has no SIMD path at all. Tree verification multiplies 8..128 rows by every matrix,
 //! so here one weight block is decoded once (nibbles split, scales expanded) and then dotted with
-//! up to four input rows while it sits in registers; the per-row work is just
-//! `maddubs → madd(scale) → add` per 32 weights. A single row (decode) runs the same code with
-//! `R = 1`, so a token's logits do not depend on how many tree nodes shared its forward pass.
+//! up to [`ROW_TILE`] input rows while it sits in registers; the per-row work is just
+//! `maddubs → madd(scale) → add` per 32 weights. The rows' integer sums are folded together
+//! (`hadd`) before the one float multiply-add per block, so the per-block float work is shared
+//! too. For the K-quants a row's result is bit-identical whatever the batch size, so a tree
+//! node's logits equal those of decoding it alone (the 32-value formats take a shorter path for
+//! a single row, equal up to rounding).
 //!
 //! Formats: the weight blocks are GGML's on-disk layouts (Q4_K, Q6_K, Q5_0, Q8_0), read as is.
-//! Inputs are quantized per call to int8: per 256 values with 16- and 32-value sums
-//! ([`ActK`], for the K-quants) or per 32 values ([`Act32`]). Integer products are exact; each
-//! block's sum is scaled in f32.
+//! Inputs are quantized per call to int8: per 256 values with 16-value sums ([`ActK`], for the
+//! K-quants) or per 32 values ([`Act32`]), and stored as row tiles ([`TileBlock`]: the tile's
+//! rows side by side per block, so a kernel reaches every row from one pointer). Integer
+//! products are exact; each block's sum is scaled in f32.
 //!
 //! Every format has a portable scalar path with the same math (used when the CPU lacks
 //! AVX2/FMA/F16C, and as the reference in tests).
@@ -80,40 +84,60 @@ pub(crate) struct ActK {
     d: f32,
 }
 
-/// 32 input values as int8 with one scale; `dsum = d · Σ qs` (for Q5_0's offset).
+/// 32 input values as int8 with one scale; `sum = Σ qs` (Q5_0's offset of 16 is applied in
+/// integers, before any rounding: with the large activation outliers of Qwen-style models a
+/// float offset would cancel catastrophically).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Act32 {
     qs: [i8; 32],
     d: f32,
-    dsum: f32,
-}
-
-/// Per block, the scales of the (up to) four input rows of a row tile, side by side so a kernel
-/// loads them with one instruction. `d`: the rows' scales; `e`: their `dsum` (Act32 only).
-#[repr(C, align(16))]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Aux {
-    d: [f32; 4],
-    e: [f32; 4],
+    sum: i32,
 }
 
 /// Input rows per kernel call (a row tile).
-pub(crate) const ROW_TILE: usize = 4;
+pub(crate) const ROW_TILE: usize = 8;
 
-/// Build the [`Aux`] table: `kb` entries per row tile of four rows (missing rows are zero).
-pub(crate) fn build_aux<F: QFormat>(acts: &[F::Act], m: usize, kb: usize) -> Vec<Aux> {
-    let tiles = m.div_ceil(ROW_TILE);
-    let mut aux = vec![Aux::default(); tiles * kb];
-    for r in 0..m {
-        let (t, i) = (r / ROW_TILE, r % ROW_TILE);
-        for b in 0..kb {
-            let (d, e) = F::act_scales(&acts[r * kb + b]);
-            aux[t * kb + b].d[i] = d;
-            aux[t * kb + b].e[i] = e;
+/// One block position of a row tile: the input blocks of the tile's rows side by side, and
+/// their scales (`d`) and Act32 sums (`s`) as vectors. Missing rows of a partial tile are zero.
+#[repr(C, align(32))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct TileBlock<A> {
+    a: [A; ROW_TILE],
+    d: [f32; ROW_TILE],
+    s: [i32; ROW_TILE],
+}
+
+/// Quantize the `m` rows of `x` (`m × k`, row-major) into row tiles: `kb` blocks per tile.
+pub(crate) fn quantize_tiles<F: QFormat>(x: &[f32], m: usize, k: usize) -> Vec<TileBlock<F::Act>> {
+    use rayon::prelude::*;
+    assert_eq!(x.len(), m * k, "matmul input size");
+    let kb = k / F::BLOCK;
+    let zero = TileBlock {
+        a: [F::act_zero(); ROW_TILE],
+        d: [0.0; ROW_TILE],
+        s: [0; ROW_TILE],
+    };
+    let mut tiles = vec![zero; m.div_ceil(ROW_TILE) * kb];
+    let fill = |t: usize, tile: &mut [TileBlock<F::Act>]| {
+        for i in 0..ROW_TILE.min(m - t * ROW_TILE) {
+            let row = &x[(t * ROW_TILE + i) * k..][..k];
+            for (tb, xb) in tile.iter_mut().zip(row.chunks_exact(F::BLOCK)) {
+                let a = F::quantize_block(xb);
+                (tb.d[i], tb.s[i]) = F::act_scales(&a);
+                tb.a[i] = a;
+            }
         }
+    };
+    if m > ROW_TILE {
+        tiles
+            .par_chunks_mut(kb)
+            .enumerate()
+            .for_each(|(t, tile)| fill(t, tile));
+    } else {
+        fill(0, &mut tiles);
     }
-    aux
+    tiles
 }
 
 #[inline]
@@ -138,45 +162,53 @@ fn quantize_i8(x: &[f32], q: &mut [i8]) -> f32 {
 
 /// A GGML weight block type with a multi-row kernel.
 pub(crate) trait QFormat: Copy + Send + Sync + std::fmt::Debug + 'static {
-    type Act: Copy + Send + Sync;
+    type Act: Copy + Send + Sync + std::fmt::Debug + 'static;
     /// Values per block.
     const BLOCK: usize;
     const NAME: &'static str;
     fn act_zero() -> Self::Act;
-    /// Quantize `x` (`out.len() * BLOCK` values).
-    fn quantize_act(x: &[f32], out: &mut [Self::Act]);
-    /// The (`d`, `e`) pair [`Aux`] carries for one input block.
-    fn act_scales(a: &Self::Act) -> (f32, f32);
+    /// Quantize one block of `BLOCK` input values.
+    fn quantize_block(x: &[f32]) -> Self::Act;
+    /// The (`d`, `s`) pair a [`TileBlock`] carries for one input block.
+    fn act_scales(a: &Self::Act) -> (f32, i32);
     /// Expand `w` into `out` (`w.len() * BLOCK` values).
     fn dequantize(w: &[Self], out: &mut [f32]);
-    /// `R` dot products of weight row `w` with input rows `xs` (portable).
-    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[Self::Act]; R]) -> [f32; R];
-    /// The same with AVX2, for `R <= 4` rows whose [`Aux`] entries are `aux` (one per block).
-    /// A row's result does not depend on `R` or on the other rows (bit for bit).
+    /// Dot products of weight row `w` with the first `R` rows of a row tile (portable).
+    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<Self::Act>]) -> [f32; R];
+    /// The same with AVX2 (`R <= ROW_TILE`). A row's result does not depend on the other rows.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Self::Act]; R], aux: &[Aux]) -> [f32; R];
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<Self::Act>]) -> [f32; R];
 }
 
-fn quantize_k(x: &[f32], out: &mut [ActK]) {
-    for (a, x) in out.iter_mut().zip(x.chunks_exact(QK_K)) {
-        a.d = quantize_i8(x, &mut a.qs);
-        for (s, q) in a.bsums16.iter_mut().zip(a.qs.chunks_exact(16)) {
-            *s = q.iter().map(|&v| v as i16).sum();
-        }
-        for i in 0..8 {
-            a.dbs32[i] = a.d * (a.bsums16[2 * i] + a.bsums16[2 * i + 1]) as f32;
-        }
+fn quantize_k(x: &[f32]) -> ActK {
+    let mut a = ActK {
+        qs: [0; 256],
+        bsums16: [0; 16],
+        dbs32: [0.0; 8],
+        d: 0.0,
+    };
+    a.d = quantize_i8(x, &mut a.qs);
+    for (s, q) in a.bsums16.iter_mut().zip(a.qs.chunks_exact(16)) {
+        *s = q.iter().map(|&v| v as i16).sum();
     }
+    for i in 0..8 {
+        a.dbs32[i] = a.d * (a.bsums16[2 * i] + a.bsums16[2 * i + 1]) as f32;
+    }
+    a
 }
 
-fn quantize_32(x: &[f32], out: &mut [Act32]) {
-    for (a, x) in out.iter_mut().zip(x.chunks_exact(32)) {
-        a.d = quantize_i8(x, &mut a.qs);
-        a.dsum = a.d * a.qs.iter().map(|&v| v as i32).sum::<i32>() as f32;
-    }
+fn quantize_32(x: &[f32]) -> Act32 {
+    let mut a = Act32 {
+        qs: [0; 32],
+        d: 0.0,
+        sum: 0,
+    };
+    a.d = quantize_i8(x, &mut a.qs);
+    a.sum = a.qs.iter().map(|&v| v as i32).sum();
+    a
 }
 
 /// Q4_K's packed 6-bit (scale, min) for sub-block `j`.
@@ -192,23 +224,30 @@ fn q4k_scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
     }
 }
 
-/// All eight Q4_K (scales, mins) at once, branch-free: `[s0..s7, m0..m7]`.
+/// All eight Q4_K (scales, mins) at once, branch-free, as four little-endian words:
+/// bytes `[s0..s7, m0..m7]`.
 #[inline]
-fn q4k_scales_mins(q: &[u8; 12]) -> [u8; 16] {
+fn q4k_scales_mins_u32(q: &[u8; 12]) -> [u32; 4] {
     const KMASK1: u32 = 0x3f3f_3f3f;
     const KMASK2: u32 = 0x0f0f_0f0f;
     const KMASK3: u32 = 0x0303_0303;
     let rd = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
     let (u0, u1, u2) = (rd(0), rd(1), rd(2));
-    let u3 = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let mins_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
     let mins_lo = u1 & KMASK1;
     let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
     let sc_lo = u0 & KMASK1;
+    [sc_lo, sc_hi, mins_lo, mins_hi]
+}
+
+/// [`q4k_scales_mins_u32`] as bytes.
+#[inline]
+fn q4k_scales_mins(q: &[u8; 12]) -> [u8; 16] {
+    let w = q4k_scales_mins_u32(q);
     let mut out = [0u8; 16];
-    out[0..4].copy_from_slice(&sc_lo.to_le_bytes());
-    out[4..8].copy_from_slice(&sc_hi.to_le_bytes());
-    out[8..12].copy_from_slice(&mins_lo.to_le_bytes());
-    out[12..16].copy_from_slice(&u3.to_le_bytes());
+    for (o, w) in out.chunks_exact_mut(4).zip(w) {
+        o.copy_from_slice(&w.to_le_bytes());
+    }
     out
 }
 
@@ -231,16 +270,27 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
-    /// Four rows' 8-lane i32 sums → `[r0 r1 r2 r3 | r0 r1 r2 r3]` partial sums (each row's
-    /// lanes are added only among themselves, so a row's result ignores the others).
+    /// Four rows' 8-lane i32 sums → `[r0 r1 r2 r3 | r0 r1 r2 r3]` partial sums as f32 (each
+    /// row's lanes are added only among themselves, so a row's result ignores the others),
+    /// minus `off[r] << shift` from the first half (exact integer offsets, if any).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn reduce4(s: [__m256i; 4]) -> __m256 {
+    pub fn reduce4(s: [__m256i; 4], off: Option<(&[i32], i32)>) -> __m256 {
         let h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+        let h = match off {
+            Some((o, shift)) => {
+                assert!(o.len() >= 4);
+                // SAFETY: at least 16 readable bytes.
+                let o = unsafe { _mm_loadu_si128(o.as_ptr() as *const __m128i) };
+                let o = _mm_sll_epi32(o, _mm_cvtsi32_si128(shift));
+                _mm256_sub_epi32(h, _mm256_zextsi128_si256(o))
+            }
+            None => h,
+        };
         _mm256_cvtepi32_ps(h)
     }
 
-    /// `[v0 v1 v2 v3 | v0 v1 v2 v3]` from four floats.
+    /// `[v0 v1 v2 v3 | v0 v1 v2 v3]` from `v[0..4]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn bcast4(v: &[f32; 4]) -> __m256 {
@@ -248,15 +298,43 @@ mod x86 {
         unsafe { _mm256_broadcast_ps(&*(v.as_ptr() as *const __m128)) }
     }
 
-    /// Per-row results from the `[r0..r3 | r0..r3]` accumulator.
+    /// Fold rows `0..R` of `s` into the `[r0..r3 | r0..r3]`-style accumulators (rows 0..4 in
+    /// `acc[0]`, 4..8 in `acc[1]`), minus the integer offsets `off[r] << shift` if given, and
+    /// scaled by `d · dv[r]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn lanes4(acc: __m256) -> [f32; 4] {
-        let s = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
-        let mut out = [0f32; 4];
-        // SAFETY: `out` is 16 writable bytes.
-        unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
-        out
+    pub fn fold<const R: usize>(
+        s: &[__m256i; 8],
+        off: Option<(&[i32; 8], i32)>,
+        d: f32,
+        dv: &[f32; 8],
+        acc: &mut [__m256; 2],
+    ) {
+        let d = _mm256_set1_ps(d);
+        let (lo, hi) = dv.split_at(4);
+        let lo: &[f32; 4] = lo.try_into().expect("4");
+        let hi: &[f32; 4] = hi.try_into().expect("4");
+        let scale = _mm256_mul_ps(d, bcast4(lo));
+        let o = off.map(|(o, sh)| (&o[0..4], sh));
+        acc[0] = _mm256_fmadd_ps(reduce4([s[0], s[1], s[2], s[3]], o), scale, acc[0]);
+        if R > 4 {
+            let scale = _mm256_mul_ps(d, bcast4(hi));
+            let o = off.map(|(o, sh)| (&o[4..8], sh));
+            acc[1] = _mm256_fmadd_ps(reduce4([s[4], s[5], s[6], s[7]], o), scale, acc[1]);
+        }
+    }
+
+    /// Per-row results of the accumulators of [`fold`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn rows<const R: usize>(acc: &[__m256; 2]) -> [f32; R] {
+        let mut all = [0f32; 8];
+        for (h, a) in acc.iter().enumerate() {
+            let s = _mm_add_ps(_mm256_extractf128_ps(*a, 1), _mm256_castps256_ps128(*a));
+            // SAFETY: 16 writable bytes at 4h.
+            unsafe { _mm_storeu_ps(all.as_mut_ptr().add(4 * h), s) };
+        }
+        std::array::from_fn(|r| all[r])
     }
 
     /// Unaligned 32-byte load.
@@ -270,13 +348,11 @@ mod x86 {
     }
 
     /// 32 nibbles of 16 bytes: low nibbles then high nibbles.
-    ///
-    /// # Safety
-    /// `p` must point to 16 readable bytes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn nibbles32(p: *const u8) -> __m256i {
-        let t = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    pub fn nibbles32(p: &[u8; 16]) -> __m256i {
+        // SAFETY: 16 readable bytes.
+        let t = unsafe { _mm_loadu_si128(p.as_ptr() as *const __m128i) };
         let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
         _mm256_and_si256(b, _mm256_set1_epi8(0x0F))
     }
@@ -308,7 +384,7 @@ const KZERO: ActK = ActK {
 const ZERO32: Act32 = Act32 {
     qs: [0; 32],
     d: 0.0,
-    dsum: 0.0,
+    sum: 0,
 };
 
 impl QFormat for BlockQ4K {
@@ -320,12 +396,12 @@ impl QFormat for BlockQ4K {
         KZERO
     }
 
-    fn quantize_act(x: &[f32], out: &mut [ActK]) {
-        quantize_k(x, out)
+    fn quantize_block(x: &[f32]) -> ActK {
+        quantize_k(x)
     }
 
-    fn act_scales(a: &ActK) -> (f32, f32) {
-        (a.d, 0.0)
+    fn act_scales(a: &ActK) -> (f32, i32) {
+        (a.d, 0)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -346,14 +422,13 @@ impl QFormat for BlockQ4K {
         }
     }
 
-    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
         let mut out = [0f32; R];
-        for (bi, b) in w.iter().enumerate() {
+        for (b, t) in w.iter().zip(tile) {
             let d = f16_to_f32(b.d);
             let dmin = f16_to_f32(b.dmin);
             let sm = q4k_scales_mins(&b.scales);
-            for (o, x) in out.iter_mut().zip(xs) {
-                let a = &x[bi];
+            for (o, a) in out.iter_mut().zip(&t.a) {
                 let mut sumi = 0i32;
                 for j in 0..4 {
                     let (mut lo, mut hi) = (0i32, 0i32);
@@ -373,31 +448,34 @@ impl QFormat for BlockQ4K {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R], aux: &[Aux]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
         use x86::*;
+        assert!(tile.len() >= w.len());
         let m4 = _mm256_set1_epi8(0x0F);
-        let mut acc = _mm256_setzero_ps();
+        let mut acc = [_mm256_setzero_ps(); 2];
         let mut accm = [_mm256_setzero_ps(); R];
-        for (bi, b) in w.iter().enumerate() {
+        for (b, t) in w.iter().zip(tile) {
             let d = f16x1(b.d);
             let dmin = f16x1(b.dmin);
-            let sm = q4k_scales_mins(&b.scales);
-            // SAFETY: `sm` has 16 bytes; the mins are its upper 8.
-            let mins = unsafe { _mm_loadl_epi64(sm.as_ptr().add(8) as *const __m128i) };
+            let [w0, w1, w2, w3] = q4k_scales_mins_u32(&b.scales);
+            let sm = _mm_setr_epi32(w0 as i32, w1 as i32, w2 as i32, w3 as i32);
+            // Scales as i16 in both 128-bit halves; lane j picked per sub-block by a shuffle.
+            let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(sm, sm));
             let minf = _mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mins)),
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm))),
                 _mm256_set1_ps(dmin),
             );
-            let mut s = [_mm256_setzero_si256(); 4];
+            let mut s = [_mm256_setzero_si256(); 8];
             for j in 0..4 {
                 // SAFETY: qs has 128 bytes; 32 * j + 32 <= 128.
                 let q = unsafe { load32(b.qs.as_ptr().add(32 * j)) };
                 let lo = _mm256_and_si256(q, m4);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                let s_lo = _mm256_set1_epi16(sm[2 * j] as i16);
-                let s_hi = _mm256_set1_epi16(sm[2 * j + 1] as i16);
+                let pick = |i: usize| _mm256_set1_epi16((((2 * i + 1) << 8) | (2 * i)) as i16);
+                let s_lo = _mm256_shuffle_epi8(sc, pick(2 * j));
+                let s_hi = _mm256_shuffle_epi8(sc, pick(2 * j + 1));
                 for r in 0..R {
-                    let a = &xs[r][bi];
+                    let a = &t.a[r];
                     // SAFETY: a.qs has 256 bytes; 64 * j + 64 <= 256.
                     let (yl, yh) = unsafe {
                         (
@@ -410,18 +488,16 @@ impl QFormat for BlockQ4K {
                     s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(pl, ph));
                 }
             }
-            let dv = _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&aux[bi].d));
-            acc = _mm256_fmadd_ps(reduce4(s), dv, acc);
+            fold::<R>(&s, None, d, &t.d, &mut acc);
             for r in 0..R {
                 // SAFETY: dbs32 is 8 floats.
-                let bs = unsafe { _mm256_loadu_ps(xs[r][bi].dbs32.as_ptr()) };
+                let bs = unsafe { _mm256_loadu_ps(t.a[r].dbs32.as_ptr()) };
                 accm[r] = _mm256_fmadd_ps(minf, bs, accm[r]);
             }
         }
-        let lanes = lanes4(acc);
-        let mut out = [0f32; R];
+        let mut out = rows::<R>(&acc);
         for r in 0..R {
-            out[r] = lanes[r] - hsum8(accm[r]);
+            out[r] -= hsum8(accm[r]);
         }
         out
     }
@@ -436,12 +512,12 @@ impl QFormat for BlockQ6K {
         KZERO
     }
 
-    fn quantize_act(x: &[f32], out: &mut [ActK]) {
-        quantize_k(x, out)
+    fn quantize_block(x: &[f32]) -> ActK {
+        quantize_k(x)
     }
 
-    fn act_scales(a: &ActK) -> (f32, f32) {
-        (a.d, 0.0)
+    fn act_scales(a: &ActK) -> (f32, i32) {
+        (a.d, 0)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -467,24 +543,23 @@ impl QFormat for BlockQ6K {
         }
     }
 
-    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[ActK]; R]) -> [f32; R] {
+    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
         let mut out = [0f32; R];
         let mut q = [0u8; 256];
-        for (bi, b) in w.iter().enumerate() {
+        for (b, t) in w.iter().zip(tile) {
             let d = f16_to_f32(b.d);
-            // Unsigned 6-bit values (offset 32 applied through the input sums).
+            // Unsigned 6-bit values (the offset of 32 is applied through the input sums).
             for h in 0..2 {
                 for l in 0..32 {
-                    let (ql0, ql1, qh) =
-                        (b.ql[64 * h + l], b.ql[64 * h + 32 + l], b.qh[32 * h + l]);
+                    let (ql0, ql1) = (b.ql[64 * h + l], b.ql[64 * h + 32 + l]);
+                    let qh = b.qh[32 * h + l];
                     q[128 * h + l] = (ql0 & 0xF) | ((qh & 3) << 4);
                     q[128 * h + 32 + l] = (ql1 & 0xF) | (((qh >> 2) & 3) << 4);
                     q[128 * h + 64 + l] = (ql0 >> 4) | (((qh >> 4) & 3) << 4);
                     q[128 * h + 96 + l] = (ql1 >> 4) | (((qh >> 6) & 3) << 4);
                 }
             }
-            for (o, x) in out.iter_mut().zip(xs) {
-                let a = &x[bi];
+            for (o, a) in out.iter_mut().zip(&t.a) {
                 let mut sumi = 0i32;
                 for s in 0..16 {
                     let dot: i32 = (0..16)
@@ -500,17 +575,18 @@ impl QFormat for BlockQ6K {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[ActK]; R], aux: &[Aux]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
         use x86::*;
+        assert!(tile.len() >= w.len());
         let m4 = _mm256_set1_epi8(0x0F);
         let m3 = _mm256_set1_epi8(0x03);
-        let mut acc = _mm256_setzero_ps();
-        for (bi, b) in w.iter().enumerate() {
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for (b, t) in w.iter().zip(tile) {
             let d = f16x1(b.d);
             // SAFETY: scales has 16 bytes.
             let sc8 = unsafe { _mm_loadu_si128(b.scales.as_ptr() as *const __m128i) };
             let sc16 = _mm256_cvtepi8_epi16(sc8);
-            let mut s = [_mm256_setzero_si256(); 4];
+            let mut s = [_mm256_setzero_si256(); 8];
             for h in 0..2 {
                 // SAFETY: ql has 128 bytes, qh 64: 64h + 64 <= 128, 32h + 32 <= 64.
                 let (ql0, ql1, qh) = unsafe {
@@ -533,50 +609,29 @@ impl QFormat for BlockQ6K {
                         hb(_mm256_srli_epi16(qh, 6)),
                     ),
                 ];
-                for (t, qt) in q.iter().enumerate() {
-                    // Scales of sub-blocks s, s + 1 as [s ×8 | s+1 ×8] i16 lanes.
-                    let sb = (8 * h + 2 * t) as i8;
-                    let pick = _mm_setr_epi8(
-                        sb,
-                        sb,
-                        sb,
-                        sb,
-                        sb,
-                        sb,
-                        sb,
-                        sb,
-                        sb + 1,
-                        sb + 1,
-                        sb + 1,
-                        sb + 1,
-                        sb + 1,
-                        sb + 1,
-                        sb + 1,
-                        sb + 1,
-                    );
+                for (u, qt) in q.iter().enumerate() {
+                    // Scales of sub-blocks sb, sb + 1 as [sb ×8 | sb+1 ×8] i16 lanes.
+                    let sb = (8 * h + 2 * u) as i8;
+                    let (x, y) = (sb, sb + 1);
+                    let pick = _mm_setr_epi8(x, x, x, x, x, x, x, x, y, y, y, y, y, y, y, y);
                     let scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
                     for r in 0..R {
-                        let a = &xs[r][bi];
-                        // SAFETY: a.qs has 256 bytes; 128h + 32t + 32 <= 256.
-                        let y = unsafe { load32(a.qs.as_ptr().add(128 * h + 32 * t)) };
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qt, y), scv);
+                        // SAFETY: qs has 256 bytes; 128h + 32u + 32 <= 256.
+                        let v = unsafe { load32(t.a[r].qs.as_ptr().add(128 * h + 32 * u)) };
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qt, v), scv);
                         s[r] = _mm256_add_epi32(s[r], p);
                     }
                 }
             }
             for r in 0..R {
                 // SAFETY: bsums16 has 32 bytes.
-                let bs = unsafe { load32(xs[r][bi].bsums16.as_ptr()) };
+                let bs = unsafe { load32(t.a[r].bsums16.as_ptr()) };
                 let off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
                 s[r] = _mm256_sub_epi32(s[r], off);
             }
-            let dv = _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&aux[bi].d));
-            acc = _mm256_fmadd_ps(reduce4(s), dv, acc);
+            fold::<R>(&s, None, d, &t.d, &mut acc);
         }
-        let lanes = lanes4(acc);
-        let mut out = [0f32; R];
-        out.copy_from_slice(&lanes[..R]);
-        out
+        rows::<R>(&acc)
     }
 }
 
@@ -589,12 +644,12 @@ impl QFormat for BlockQ5_0 {
         ZERO32
     }
 
-    fn quantize_act(x: &[f32], out: &mut [Act32]) {
-        quantize_32(x, out)
+    fn quantize_block(x: &[f32]) -> Act32 {
+        quantize_32(x)
     }
 
-    fn act_scales(a: &Act32) -> (f32, f32) {
-        (a.d, a.dsum)
+    fn act_scales(a: &Act32) -> (f32, i32) {
+        (a.d, a.sum)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -612,9 +667,9 @@ impl QFormat for BlockQ5_0 {
         }
     }
 
-    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
         let mut out = [0f32; R];
-        for (bi, b) in w.iter().enumerate() {
+        for (b, t) in w.iter().zip(tile) {
             let d = f16_to_f32(b.d);
             let qh = u32::from_le_bytes(b.qh);
             let mut q = [0u8; 32];
@@ -622,14 +677,13 @@ impl QFormat for BlockQ5_0 {
                 q[j] = (b.qs[j] & 0xF) | ((((qh >> j) & 1) as u8) << 4);
                 q[j + 16] = (b.qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
             }
-            for (o, x) in out.iter_mut().zip(xs) {
-                let a = &x[bi];
+            for (o, a) in out.iter_mut().zip(&t.a) {
                 let dot: i32 = q
                     .iter()
                     .zip(&a.qs)
                     .map(|(&u, &v)| u as i32 * v as i32)
                     .sum();
-                *o += d * a.d * dot as f32 - 16.0 * d * a.dsum;
+                *o += d * a.d * (dot - 16 * a.sum) as f32;
             }
         }
         out
@@ -637,43 +691,46 @@ impl QFormat for BlockQ5_0 {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R], aux: &[Aux]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
         use x86::*;
+        assert!(tile.len() >= w.len());
         let ones = _mm256_set1_epi16(1);
         let fifth = _mm256_set1_epi8(0x10);
-        let mut acc = _mm256_setzero_ps();
-        let mut off = _mm_setzero_ps();
-        for (bi, b) in w.iter().enumerate() {
-            let d = f16x1(b.d);
-            // SAFETY: qs has 16 bytes.
-            let lo = unsafe { nibbles32(b.qs.as_ptr()) };
+        let unpack = |b: &BlockQ5_0| {
             let hi = _mm256_and_si256(bits32(u32::from_le_bytes(b.qh)), fifth);
-            let q = _mm256_or_si256(lo, hi);
-            let mut p = [_mm256_setzero_si256(); 4];
+            _mm256_or_si256(nibbles32(&b.qs), hi)
+        };
+        if R == 1 {
+            // One row: no cross-row folding; two accumulators for instruction-level parallelism.
+            let mut acc = [_mm256_setzero_ps(); 2];
+            for (i, (b, t)) in w.iter().zip(tile).enumerate() {
+                let d = f16x1(b.d);
+                let a = &t.a[0];
+                // SAFETY: qs has 32 bytes.
+                let y = unsafe { load32(a.qs.as_ptr()) };
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack(b), y), ones);
+                let p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(16 * a.sum)));
+                let k = i & 1;
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d), acc[k]);
+            }
+            let mut out = [0f32; R];
+            out[0] = hsum8(_mm256_add_ps(acc[0], acc[1]));
+            return out;
+        }
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for (b, t) in w.iter().zip(tile) {
+            let d = f16x1(b.d);
+            let q = unpack(b);
+            let mut p = [_mm256_setzero_si256(); 8];
             for r in 0..R {
                 // SAFETY: qs has 32 bytes.
-                let y = unsafe { load32(xs[r][bi].qs.as_ptr()) };
+                let y = unsafe { load32(t.a[r].qs.as_ptr()) };
                 p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
             }
-            let a = &aux[bi];
-            acc = _mm256_fmadd_ps(
-                reduce4(p),
-                _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&a.d)),
-                acc,
-            );
-            // SAFETY: `e` is 16 bytes.
-            let e = unsafe { _mm_load_ps(a.e.as_ptr()) };
-            off = _mm_fmadd_ps(_mm_set1_ps(d), e, off);
+            // Offset 16 · Σ y, exactly.
+            fold::<R>(&p, Some((&t.s, 4)), d, &t.d, &mut acc);
         }
-        let lanes = lanes4(acc);
-        let mut offs = [0f32; 4];
-        // SAFETY: 16 writable bytes.
-        unsafe { _mm_storeu_ps(offs.as_mut_ptr(), off) };
-        let mut out = [0f32; R];
-        for r in 0..R {
-            out[r] = lanes[r] - 16.0 * offs[r];
-        }
-        out
+        rows::<R>(&acc)
     }
 }
 
@@ -686,12 +743,12 @@ impl QFormat for BlockQ8_0 {
         ZERO32
     }
 
-    fn quantize_act(x: &[f32], out: &mut [Act32]) {
-        quantize_32(x, out)
+    fn quantize_block(x: &[f32]) -> Act32 {
+        quantize_32(x)
     }
 
-    fn act_scales(a: &Act32) -> (f32, f32) {
-        (a.d, a.dsum)
+    fn act_scales(a: &Act32) -> (f32, i32) {
+        (a.d, a.sum)
     }
 
     fn dequantize(w: &[Self], out: &mut [f32]) {
@@ -703,12 +760,11 @@ impl QFormat for BlockQ8_0 {
         }
     }
 
-    fn dot_scalar<const R: usize>(w: &[Self], xs: [&[Act32]; R]) -> [f32; R] {
+    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
         let mut out = [0f32; R];
-        for (bi, b) in w.iter().enumerate() {
+        for (b, t) in w.iter().zip(tile) {
             let d = f16_to_f32(b.d);
-            for (o, x) in out.iter_mut().zip(xs) {
-                let a = &x[bi];
+            for (o, a) in out.iter_mut().zip(&t.a) {
                 let dot: i32 =
                     b.qs.iter()
                         .zip(&a.qs)
@@ -722,29 +778,42 @@ impl QFormat for BlockQ8_0 {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], xs: [&[Act32]; R], aux: &[Aux]) -> [f32; R] {
+    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
         use x86::*;
+        assert!(tile.len() >= w.len());
         let ones = _mm256_set1_epi16(1);
-        let mut acc = _mm256_setzero_ps();
-        for (bi, b) in w.iter().enumerate() {
+        if R == 1 {
+            // One row: no cross-row folding; two accumulators for instruction-level parallelism.
+            let mut acc = [_mm256_setzero_ps(); 2];
+            for (i, (b, t)) in w.iter().zip(tile).enumerate() {
+                let d = f16x1(b.d);
+                let a = &t.a[0];
+                // SAFETY: both qs have 32 bytes.
+                let (q, y) = unsafe { (load32(b.qs.as_ptr()), load32(a.qs.as_ptr())) };
+                let sy = _mm256_sign_epi8(y, q);
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), sy), ones);
+                let k = i & 1;
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d), acc[k]);
+            }
+            let mut out = [0f32; R];
+            out[0] = hsum8(_mm256_add_ps(acc[0], acc[1]));
+            return out;
+        }
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for (b, t) in w.iter().zip(tile) {
             let d = f16x1(b.d);
             // SAFETY: qs has 32 bytes.
             let q = unsafe { load32(b.qs.as_ptr()) };
             let aq = _mm256_sign_epi8(q, q);
-            let mut p = [_mm256_setzero_si256(); 4];
+            let mut p = [_mm256_setzero_si256(); 8];
             for r in 0..R {
                 // SAFETY: qs has 32 bytes.
-                let y = unsafe { load32(xs[r][bi].qs.as_ptr()) };
-                let sy = _mm256_sign_epi8(y, q);
-                p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sy), ones);
+                let y = unsafe { load32(t.a[r].qs.as_ptr()) };
+                p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q)), ones);
             }
-            let dv = _mm256_mul_ps(_mm256_set1_ps(d), bcast4(&aux[bi].d));
-            acc = _mm256_fmadd_ps(reduce4(p), dv, acc);
+            fold::<R>(&p, None, d, &t.d, &mut acc);
         }
-        let lanes = lanes4(acc);
-        let mut out = [0f32; R];
-        out.copy_from_slice(&lanes[..R]);
-        out
+        rows::<R>(&acc)
     }
 }
 
@@ -807,56 +876,43 @@ impl OutPtr {
     }
 }
 
-/// The tiled loop over columns and row tiles shared by both paths;
-/// `$dot!(R, weight_row, rows, aux)` computes `R` dot products.
+/// The tiled loop over columns and row tiles shared by both paths; `$dot!(R, weight_row, tile)`
+/// computes `R` dot products.
 macro_rules! row_tiles {
-    ($dot:ident, $F:ty, $w:expr, $kb:expr, $cols:expr, $acts:expr, $aux:expr, $m:expr, $out:expr) => {{
-        let (w, kb, cols, acts, aux, m, out) = ($w, $kb, $cols, $acts, $aux, $m, $out);
-        let row = |r: usize| -> &[<$F as QFormat>::Act] { &acts[r * kb..(r + 1) * kb] };
+    ($dot:ident, $F:ty, $w:expr, $kb:expr, $cols:expr, $tiles:expr, $m:expr, $out:expr) => {{
+        let (w, kb, cols, tiles, m, out) = ($w, $kb, $cols, $tiles, $m, $out);
         let col = |c: usize| -> &[$F] { &w[c * kb..(c + 1) * kb] };
-        let aux_of = |t: usize| -> &[Aux] { &aux[t * kb..(t + 1) * kb] };
+        macro_rules! tile {
+            ($n:literal, $r:expr, $ct:expr, $ce:expr, $tb:expr) => {{
+                for c in $ct..$ce {
+                    let res = $dot!($n, col(c), $tb);
+                    // SAFETY: this task owns columns `cols` (caller's contract).
+                    unsafe { out.store($r, c, &res) };
+                }
+            }};
+        }
         for ct in cols.clone().step_by(COL_TILE) {
             let ce = (ct + COL_TILE).min(cols.end);
             for t in 0..m.div_ceil(ROW_TILE) {
                 let r = t * ROW_TILE;
-                let ax = aux_of(t);
+                let tb: &[TileBlock<<$F as QFormat>::Act>] = &tiles[t * kb..(t + 1) * kb];
                 match m - r {
-                    1 => {
-                        for c in ct..ce {
-                            let res = $dot!(1, col(c), [row(r)], ax);
-                            // SAFETY: this task owns columns `cols` (caller's contract).
-                            unsafe { out.store(r, c, &res) };
-                        }
-                    }
-                    2 => {
-                        for c in ct..ce {
-                            let res = $dot!(2, col(c), [row(r), row(r + 1)], ax);
-                            // SAFETY: as above.
-                            unsafe { out.store(r, c, &res) };
-                        }
-                    }
-                    3 => {
-                        for c in ct..ce {
-                            let res = $dot!(3, col(c), [row(r), row(r + 1), row(r + 2)], ax);
-                            // SAFETY: as above.
-                            unsafe { out.store(r, c, &res) };
-                        }
-                    }
-                    _ => {
-                        let xs = [row(r), row(r + 1), row(r + 2), row(r + 3)];
-                        for c in ct..ce {
-                            let res = $dot!(4, col(c), xs, ax);
-                            // SAFETY: as above.
-                            unsafe { out.store(r, c, &res) };
-                        }
-                    }
+                    1 => tile!(1, r, ct, ce, tb),
+                    2 => tile!(2, r, ct, ce, tb),
+                    3 => tile!(3, r, ct, ce, tb),
+                    4 => tile!(4, r, ct, ce, tb),
+                    5 => tile!(5, r, ct, ce, tb),
+                    6 => tile!(6, r, ct, ce, tb),
+                    7 => tile!(7, r, ct, ce, tb),
+                    _ => tile!(8, r, ct, ce, tb),
                 }
             }
         }
     }};
 }
 
-/// Output columns `cols` of `X · Wᵀ` for all `m` input rows, with the AVX2 kernels.
+/// Output columns `cols` of `X · Wᵀ` for all `m` input rows (quantized into `tiles`), with the
+/// AVX2 kernels.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C ([`has_avx2`]); no other thread may write columns
@@ -867,18 +923,17 @@ pub(crate) unsafe fn columns_avx2<F: QFormat>(
     w: &[F],
     kb: usize,
     cols: std::ops::Range<usize>,
-    acts: &[F::Act],
-    aux: &[Aux],
+    tiles: &[TileBlock<F::Act>],
     m: usize,
     out: OutPtr,
 ) {
     macro_rules! avx2 {
-        ($r:literal, $wc:expr, $xs:expr, $ax:expr) => {
+        ($r:literal, $wc:expr, $tb:expr) => {
             // SAFETY: the caller of `columns_avx2` guarantees the CPU features.
-            unsafe { F::dot_avx2::<$r>($wc, $xs, $ax) }
+            unsafe { F::dot_avx2::<$r>($wc, $tb) }
         };
     }
-    row_tiles!(avx2, F, w, kb, cols, acts, aux, m, out);
+    row_tiles!(avx2, F, w, kb, cols, tiles, m, out);
 }
 
 /// Portable version of [`columns_avx2`].
@@ -890,16 +945,119 @@ pub(crate) unsafe fn columns_scalar<F: QFormat>(
     w: &[F],
     kb: usize,
     cols: std::ops::Range<usize>,
-    acts: &[F::Act],
-    aux: &[Aux],
+    tiles: &[TileBlock<F::Act>],
     m: usize,
     out: OutPtr,
 ) {
     macro_rules! scalar {
-        ($r:literal, $wc:expr, $xs:expr, $ax:expr) => {{
-            let _ = $ax;
-            F::dot_scalar::<$r>($wc, $xs)
-        }};
+        ($r:literal, $wc:expr, $tb:expr) => {
+            F::dot_scalar::<$r>($wc, $tb)
+        };
     }
-    row_tiles!(scalar, F, w, kb, cols, acts, aux, m, out);
+    row_tiles!(scalar, F, w, kb, cols, tiles, m, out);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    fn randn(n: usize, seed: u64) -> Vec<f32> {
+        // A cheap deterministic pseudo-normal (sum of uniforms).
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                let mut s = 0f32;
+                for _ in 0..4 {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    s += (x >> 40) as f32 / (1u64 << 24) as f32;
+                }
+                (s - 2.0) * 1.7
+            })
+            .collect()
+    }
+
+    fn deq_act_k(a: &ActK) -> Vec<f64> {
+        a.qs.iter().map(|&q| a.d as f64 * q as f64).collect()
+    }
+
+    fn deq_act_32(a: &Act32) -> Vec<f64> {
+        a.qs.iter().map(|&q| a.d as f64 * q as f64).collect()
+    }
+
+    /// Both kernels, every row count: the dot of the dequantized weights with the dequantized
+    /// (int8) inputs, computed in f64, up to f32 rounding.
+    fn check<F: QFormat>(dtype: GgmlDType, deq_act: fn(&F::Act) -> Vec<f64>) {
+        let k = 512;
+        let kb = k / F::BLOCK;
+        let w = Tensor::from_vec(randn(k, 7), (1, k), &Device::Cpu).unwrap();
+        let bytes = QTensor::quantize(&w, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .to_vec();
+        assert_eq!(bytes.len(), kb * std::mem::size_of::<F>());
+        let size = std::mem::size_of::<F>();
+        // SAFETY: test-only reinterpretation of GGML block bytes as the matching repr(C) type.
+        let blocks: Vec<F> = (0..kb)
+            .map(|i| unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(i * size) as *const F) })
+            .collect();
+        let mut wd = vec![0f32; k];
+        F::dequantize(&blocks, &mut wd);
+        let m = ROW_TILE;
+        let x: Vec<f32> = (0..m).flat_map(|r| randn(k, 100 + r as u64)).collect();
+        let tiles = quantize_tiles::<F>(&x, m, k);
+        let want: Vec<f64> = (0..m)
+            .map(|r| {
+                let xr: Vec<f64> = tiles.iter().flat_map(|t| deq_act(&t.a[r])).collect();
+                xr.iter().zip(&wd).map(|(x, w)| x * *w as f64).sum()
+            })
+            .collect();
+        let tol = 1e-4 * want.iter().fold(1f64, |m, v| m.max(v.abs()));
+        let close = |got: &[f32], what: &str| {
+            for (r, g) in got.iter().enumerate() {
+                let d = (*g as f64 - want[r]).abs();
+                assert!(
+                    d < tol,
+                    "{dtype:?} {what} R={} row {r}: {g} vs {}",
+                    got.len(),
+                    want[r]
+                );
+            }
+        };
+        macro_rules! all_r {
+            ($($n:literal),*) => {$(
+                close(&F::dot_scalar::<$n>(&blocks, &tiles), "scalar");
+                #[cfg(target_arch = "x86_64")]
+                if has_avx2() {
+                    // SAFETY: features checked.
+                    close(&unsafe { F::dot_avx2::<$n>(&blocks, &tiles) }, "avx2");
+                }
+            )*};
+        }
+        all_r!(1, 2, 3, 4, 5, 6, 7, 8);
+    }
+
+    #[test]
+    fn kernels_match_f64_reference() {
+        check::<BlockQ4K>(GgmlDType::Q4K, deq_act_k);
+        check::<BlockQ6K>(GgmlDType::Q6K, deq_act_k);
+        check::<BlockQ5_0>(GgmlDType::Q5_0, deq_act_32);
+        check::<BlockQ8_0>(GgmlDType::Q8_0, deq_act_32);
+    }
+
+    #[test]
+    fn q4k_scale_unpacking_agrees() {
+        for seed in 0..50u8 {
+            let q: [u8; 12] =
+                std::array::from_fn(|i| seed.wrapping_mul(37).wrapping_add(i as u8 * 91));
+            let all = q4k_scales_mins(&q);
+            for j in 0..8 {
+                assert_eq!((all[j], all[8 + j]), q4k_scale_min(j, &q));
+            }
+        }
+    }
 }
