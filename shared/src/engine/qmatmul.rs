@@ -563,3 +563,42 @@ mod bench {
             .unwrap()
     }
 }
+
+#[cfg(test)]
+mod dbg_tmp {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn real_tensors_row_independence() {
+        use candle_core::quantized::gguf_file;
+        use std::io::{Read, Seek, SeekFrom};
+        let path = crate::models::ensure_model(crate::models::QWEN_CODER_0_5B).unwrap();
+        let mut f = std::fs::File::open(&path).unwrap();
+        let ct = gguf_file::Content::read(&mut f).unwrap();
+        let mut names: Vec<_> = ct.tensor_infos.keys().filter(|n| n.starts_with("blk.0.") || n.starts_with("output")).cloned().collect();
+        names.sort();
+        for name in names {
+            let info = &ct.tensor_infos[&name];
+            if !is_quantized(info.ggml_dtype) { continue; }
+            let dims = info.shape.dims().to_vec();
+            let size = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+            let mut bytes = vec![0u8; size];
+            f.seek(SeekFrom::Start(ct.tensor_data_offset + info.offset)).unwrap();
+            f.read_exact(&mut bytes).unwrap();
+            let (n, k) = (dims[0], dims[1]);
+            let kern = kernel_from_bytes(info.ggml_dtype, n, k, &bytes).unwrap();
+            let m = 13;
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * if i % k == 3 { 200.0 } else { 1.0 }).collect();
+            let mut all = vec![0f32; m * n];
+            kern.matmul(m, &x, &mut all);
+            let mut md = 0f32;
+            for r in 0..m {
+                let mut one = vec![0f32; n];
+                kern.matmul(1, &x[r * k..(r + 1) * k], &mut one);
+                for (a, b) in one.iter().zip(&all[r * n..(r + 1) * n]) { md = md.max((a - b).abs()); }
+            }
+            let scale = all.iter().fold(0f32, |a, v| a.max(v.abs()));
+            println!("{name} {:?} {n}x{k}: max diff {md:e} scale {scale}", info.ggml_dtype);
+        }
+    }
+}
