@@ -373,3 +373,35 @@ fn engine_perturbed_draft_is_close_but_not_equal() {
     let diff = max_diff(&lt, &ld);
     assert!(diff > 1e-3, "noise changes the logits");
 }
+
+#[test]
+fn engine_tree_extend_level_by_level_matches_one_forward() {
+    // The drafter grows a tree one level per call; the result must equal one tree forward.
+    for spec in specs() {
+        let (_dir, model) = load(&spec);
+        let vocab = model.info().vocab_size;
+        let tree = Tree::from_parents(&[-1, 0, 0, 1, 1, 2, 3, 3, 5, 6]).unwrap();
+        let prefix = tokens(6, 81, vocab);
+        let nodes = tokens(tree.len(), 82, vocab);
+        let mut a = model.new_cache();
+        model.forward_chain_last(&mut a, &prefix).unwrap();
+        let mut b = a.fork().unwrap();
+        let full = model.forward_tree(&mut a, &nodes, &tree).unwrap();
+        let mut start = 0;
+        for level in 0..tree.levels() {
+            let range = tree.level_range(level);
+            let rows: Vec<usize> = range.clone().collect();
+            let end = range.end;
+            let sub = Tree::from_parents(&tree.parents()[..end]).unwrap();
+            let got = model
+                .forward_tree_extend(&mut b, &nodes[..end], &sub, start, &rows)
+                .unwrap();
+            for (r, &i) in rows.iter().enumerate() {
+                let d = max_diff(got.row(r), full.row(i));
+                assert!(d < TOL, "{:?} level {level} node {i}: {d}", spec.arch);
+            }
+            start = end;
+        }
+        assert_eq!(b.len(), a.len());
+    }
+}

@@ -18,9 +18,20 @@
 //! - [`cache`]: the per-session KV cache (grown in chunks up to the context limit, written in
 //!   place, narrowed to the live length for attention: no copy of the whole cache per step);
 //! - `weights`: GGUF (quantized) and Hugging Face safetensors loading;
-//! - `qmatmul`: the CPU matrix multiply against quantized weights (candle's own kernel reads
-//!   the whole weight matrix once per input row, which makes a 16-node tree cost 16 decodes);
+//! - `qmatmul` + `qkernels`: the CPU matrix multiply against quantized weights. candle's own
+//!   kernel re-reads and re-decodes the whole weight matrix for every input row (a 16-node tree
+//!   cost 21 decodes) and has no SIMD path for Q5_0; ours decodes each weight block once for up
+//!   to eight rows (AVX2, GGML block layouts as stored in the file);
+//! - `attention`: the CPU attention kernel (fixed-order loops over each node's visible keys);
 //! - [`testing`]: tiny random-weight models for tests, including "draft-like" perturbed copies.
+//!
+//! **Batch invariance.** On the CPU with quantized weights, a node's logits are bit-identical
+//! whatever else shares its forward pass: the matmul kernels give each input row the same
+//! instruction sequence for any batch size, and attention visits a node's keys in a fixed order.
+//! So a tree forward reproduces sequential decoding exactly, and greedy speculative decoding
+//! produces exactly the target's greedy output (tests/engine_real.rs checks this on real
+//! weights). Dense f32 weights (the tiny test models) go through candle's gemm, whose blocking
+//! depends on the batch shape: equal up to rounding (~1e-6) there.
 //!
 //! Threads: candle's CPU backend runs on rayon's global pool. [`LoadOptions::threads`] sizes that
 //! pool once per process (see [`init_threads`]); later calls with a different count only warn.

@@ -572,9 +572,13 @@ impl Model {
         let pos = Tensor::new(positions, dev)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
+        // The CPU attention kernel reads the raw mask; only the candle path needs a tensor.
+        let cpu_attention = dev.is_cpu() && self.dtype == DType::F32;
         let mask_t = match &mask {
-            Some(m) => Some(Tensor::from_slice(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?),
-            None => None,
+            Some(m) if !cpu_attention => {
+                Some(Tensor::from_slice(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?)
+            }
+            _ => None,
         };
         let step = Step {
             cos: &cos,

@@ -7,9 +7,9 @@
 //! up to [`ROW_TILE`] input rows while it sits in registers; the per-row work is just
 //! `maddubs → madd(scale) → add` per 32 weights. The rows' integer sums are folded together
 //! (`hadd`) before the one float multiply-add per block, so the per-block float work is shared
-//! too. For the K-quants a row's result is bit-identical whatever the batch size, so a tree
-//! node's logits equal those of decoding it alone (the 32-value formats take a shorter path for
-//! a single row, equal up to rounding).
+//! too. A row's result is bit-identical whatever the batch size and whichever rows share its
+//! tile (one code path for every row count), so with the batch-invariant attention a tree node's
+//! logits equal those of decoding it alone, bit for bit.
 //!
 //! Formats: the weight blocks are GGML's on-disk layouts (Q4_K, Q6_K, Q5_0, Q8_0), read as is.
 //! Inputs are quantized per call to int8: per 256 values with 16-value sums ([`ActK`], for the
@@ -175,7 +175,8 @@ pub(crate) trait QFormat: Copy + Send + Sync + std::fmt::Debug + 'static {
     fn dequantize(w: &[Self], out: &mut [f32]);
     /// Dot products of weight row `w` with the first `R` rows of a row tile (portable).
     fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<Self::Act>]) -> [f32; R];
-    /// The same with AVX2 (`R <= ROW_TILE`). A row's result does not depend on the other rows.
+    /// The same with AVX2 (`R <= ROW_TILE`). A row's result does not depend on `R` or on the
+    /// other rows, bit for bit.
     ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
@@ -387,6 +388,7 @@ const ZERO32: Act32 = Act32 {
     sum: 0,
 };
 
+#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
 impl QFormat for BlockQ4K {
     type Act = ActK;
     const BLOCK: usize = QK_K;
@@ -503,6 +505,7 @@ impl QFormat for BlockQ4K {
     }
 }
 
+#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
 impl QFormat for BlockQ6K {
     type Act = ActK;
     const BLOCK: usize = QK_K;
@@ -635,6 +638,7 @@ impl QFormat for BlockQ6K {
     }
 }
 
+#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
 impl QFormat for BlockQ5_0 {
     type Act = Act32;
     const BLOCK: usize = 32;
@@ -700,23 +704,6 @@ impl QFormat for BlockQ5_0 {
             let hi = _mm256_and_si256(bits32(u32::from_le_bytes(b.qh)), fifth);
             _mm256_or_si256(nibbles32(&b.qs), hi)
         };
-        if R == 1 {
-            // One row: no cross-row folding; two accumulators for instruction-level parallelism.
-            let mut acc = [_mm256_setzero_ps(); 2];
-            for (i, (b, t)) in w.iter().zip(tile).enumerate() {
-                let d = f16x1(b.d);
-                let a = &t.a[0];
-                // SAFETY: qs has 32 bytes.
-                let y = unsafe { load32(a.qs.as_ptr()) };
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(unpack(b), y), ones);
-                let p = _mm256_sub_epi32(p, _mm256_zextsi128_si256(_mm_cvtsi32_si128(16 * a.sum)));
-                let k = i & 1;
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d), acc[k]);
-            }
-            let mut out = [0f32; R];
-            out[0] = hsum8(_mm256_add_ps(acc[0], acc[1]));
-            return out;
-        }
         let mut acc = [_mm256_setzero_ps(); 2];
         for (b, t) in w.iter().zip(tile) {
             let d = f16x1(b.d);
@@ -734,6 +721,7 @@ impl QFormat for BlockQ5_0 {
     }
 }
 
+#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
 impl QFormat for BlockQ8_0 {
     type Act = Act32;
     const BLOCK: usize = 32;
@@ -782,23 +770,6 @@ impl QFormat for BlockQ8_0 {
         use x86::*;
         assert!(tile.len() >= w.len());
         let ones = _mm256_set1_epi16(1);
-        if R == 1 {
-            // One row: no cross-row folding; two accumulators for instruction-level parallelism.
-            let mut acc = [_mm256_setzero_ps(); 2];
-            for (i, (b, t)) in w.iter().zip(tile).enumerate() {
-                let d = f16x1(b.d);
-                let a = &t.a[0];
-                // SAFETY: both qs have 32 bytes.
-                let (q, y) = unsafe { (load32(b.qs.as_ptr()), load32(a.qs.as_ptr())) };
-                let sy = _mm256_sign_epi8(y, q);
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), sy), ones);
-                let k = i & 1;
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * a.d), acc[k]);
-            }
-            let mut out = [0f32; R];
-            out[0] = hsum8(_mm256_add_ps(acc[0], acc[1]));
-            return out;
-        }
         let mut acc = [_mm256_setzero_ps(); 2];
         for (b, t) in w.iter().zip(tile) {
             let d = f16x1(b.d);

@@ -144,9 +144,9 @@ pub fn write_tiny_model(dir: &Path, spec: &TinySpec) -> std::io::Result<PathBuf>
     let invalid = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, m);
     if spec.heads == 0
         || spec.kv_heads == 0
-        || spec.heads % spec.kv_heads != 0
-        || spec.hidden % spec.heads != 0
-        || (spec.hidden / spec.heads) % 2 != 0
+        || !spec.heads.is_multiple_of(spec.kv_heads)
+        || !spec.hidden.is_multiple_of(spec.heads)
+        || !(spec.hidden / spec.heads).is_multiple_of(2)
     {
         return Err(invalid(format!("inconsistent tiny model shape {spec:?}")));
     }

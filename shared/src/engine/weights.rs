@@ -382,9 +382,9 @@ impl Loader {
         let hp = &self.hp;
         let ok = hp.n_heads > 0
             && hp.n_kv_heads > 0
-            && hp.n_heads % hp.n_kv_heads == 0
+            && hp.n_heads.is_multiple_of(hp.n_kv_heads)
             && hp.head_dim > 0
-            && hp.head_dim % 2 == 0
+            && hp.head_dim.is_multiple_of(2)
             && hp.n_layers > 0
             && hp.vocab_size > 0;
         if !ok {
@@ -423,7 +423,7 @@ impl Loader {
         let dims = info.shape.dims().to_vec();
         let elems = info.shape.elem_count();
         let bs = info.ggml_dtype.block_size();
-        if elems % bs != 0 {
+        if !elems.is_multiple_of(bs) {
             return Err(EngineError::Load(format!(
                 "tensor {name}: {elems} elements is not a multiple of the block size {bs}"
             )));
@@ -463,7 +463,7 @@ impl Loader {
         };
         let rows = dims[0];
         let row_bytes = bytes.len() / rows;
-        if rows % heads != 0 || (rows / heads) % 2 != 0 {
+        if !rows.is_multiple_of(heads) || !(rows / heads).is_multiple_of(2) {
             return Err(EngineError::Load(format!(
                 "tensor {name}: {rows} rows do not split into {heads} heads"
             )));

@@ -207,7 +207,8 @@ pub fn choose(
     for n in 1..=max_nodes {
         let mut best_here: Option<Prediction> = None;
         let mut last_len = 0;
-        for l in 1..=max_levels.min(n) {
+        // For n > 1 the curve shows the best *speculating* tree of that budget.
+        for l in (if n > 1 { 2 } else { 1 })..=max_levels.min(n) {
             let tree = dp.tree(n, l);
             if tree.len() == last_len && l > 1 && tree.levels() < l {
                 continue; // deeper limit changed nothing
@@ -218,7 +219,9 @@ pub fn choose(
                 best_here = Some(pr);
             }
         }
-        by_size.push(best_here.expect("at least one depth"));
+        if let Some(b) = best_here {
+            by_size.push(b);
+        }
     }
     let best = by_size
         .iter()
