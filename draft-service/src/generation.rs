@@ -393,11 +393,12 @@ async fn generate_on(
         let shape = match &prep.forced_tree {
             Some(t) if t.len() <= room => t.clone(),
             // Auto mode without speculation would never see a verdict again: probe with a
-            // two-node chain once per re-plan period so the acceptance estimate keeps learning.
+            // two-node chain once every four re-plan periods so the acceptance estimate keeps
+            // learning (a probe costs the draft's catch-up over the tokens it skipped).
             _ if plan.mode == "auto"
                 && plan.shape(room).len() == 1
                 && room >= 2
-                && stats.steps % every == every - 1 =>
+                && stats.steps % (4 * every) == 4 * every - 1 =>
             {
                 Tree::chain(2)
             }
