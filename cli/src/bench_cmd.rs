@@ -32,7 +32,7 @@
 //! charts) is computed from that file, over the (prompt, temperature) groups in which every
 //! method finished, so every ratio compares the same prompts.
 
-mod charts;
+pub(crate) mod charts;
 mod report;
 
 use crate::client_cmds::{free_port, wait_ready, Service};

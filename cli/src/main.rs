@@ -10,6 +10,7 @@ mod client_cmds;
 mod delay_proxy;
 mod engine_cmds;
 mod tree_cmds;
+mod tree_plot;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
@@ -56,6 +57,8 @@ enum TreeCommand {
     Profile(tree_cmds::ProfileArgs),
     /// Measure the acceptance vector of a draft/target pair over a prompt file.
     MeasureAcceptance(acceptance_cmd::MeasureArgs),
+    /// Charts: t_v(n)/t_d(w), acceptance by rank and depth, predicted speedup vs size per RTT.
+    Plot(tree_plot::PlotArgs),
 }
 
 fn main() -> Result<()> {
@@ -66,6 +69,7 @@ fn main() -> Result<()> {
             TreeCommand::Bench(a) => tree_cmds::bench(&a),
             TreeCommand::Profile(a) => tree_cmds::profile(&a),
             TreeCommand::MeasureAcceptance(a) => acceptance_cmd::measure(&a),
+            TreeCommand::Plot(a) => tree_plot::plot(&a),
         },
         Command::Generate(a) => client_cmds::generate(&a),
         Command::Demo(a) => client_cmds::demo(&a),

@@ -11,7 +11,7 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 /// Font family name the charts use.
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 
 const COLORS: [RGBColor; 10] = [
     RGBColor(31, 119, 180),
@@ -26,11 +26,11 @@ const COLORS: [RGBColor; 10] = [
     RGBColor(23, 190, 207),
 ];
 
-fn color(i: usize) -> RGBColor {
+pub(crate) fn color(i: usize) -> RGBColor {
     COLORS[i % COLORS.len()]
 }
 
-fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+pub(crate) fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow!("drawing a chart: {e:?}")
 }
 
