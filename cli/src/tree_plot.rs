@@ -158,3 +158,47 @@ pub fn plot(args: &PlotArgs) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sequoia_shared::planner::cost::{CostCurve, NetworkProfile, Profile};
+
+    #[test]
+    fn writes_three_pngs() {
+        let dir = tempfile::tempdir().unwrap();
+        let sizes = vec![1, 2, 4, 8, 16];
+        let profile = Profile {
+            verify: CostCurve::new(sizes.clone(), vec![20.0, 22.0, 25.0, 30.0, 40.0]).unwrap(),
+            draft: CostCurve::new(sizes, vec![2.0, 2.2, 2.5, 3.0, 4.0]).unwrap(),
+            network: NetworkProfile {
+                rtt_ms: 1.0,
+                bytes_per_ms: 125_000.0,
+            },
+            overhead_ms: 0.5,
+            context: 128,
+            note: String::new(),
+        };
+        let prof = dir.path().join("p.json");
+        std::fs::write(&prof, serde_json::to_string(&profile).unwrap()).unwrap();
+        let acc = dir.path().join("a.json");
+        std::fs::write(
+            &acc,
+            r#"{"acceptance": [0.6, 0.1, 0.05], "by_depth": [[0.5, 0.1, 0.0], [0.7, 0.1, 0.05]]}"#,
+        )
+        .unwrap();
+        let out = dir.path().join("charts");
+        plot(&PlotArgs {
+            profile: prof,
+            acceptance: acc,
+            max_nodes: 16,
+            rtts: vec![0.0, 10.0],
+            out: out.clone(),
+        })
+        .unwrap();
+        for f in ["costs.png", "acceptance.png", "predicted_speedup.png"] {
+            let bytes = std::fs::read(out.join(f)).unwrap();
+            assert!(bytes.starts_with(b"\x89PNG"), "{f} is not a PNG");
+        }
+    }
+}
