@@ -153,19 +153,35 @@ pub fn verify_config(model: &Path) -> VerifyConfig {
 pub fn start_verify(config: VerifyConfig) -> Running {
     let rt = runtime();
     let state = verify_service::load_state(config).expect("verify-service loads");
+    let metrics = state.metrics.clone();
+    launch(rt, "verify-service", &metrics, move |listener| {
+        verify_service::serve(state, listener, std::future::pending())
+    })
+}
+
+/// Bind an ephemeral port on `rt` and serve there until the runtime is dropped.
+fn launch<F>(
+    rt: tokio::runtime::Runtime,
+    name: &'static str,
+    metrics: &Metrics,
+    serve: impl FnOnce(tokio::net::TcpListener) -> F,
+) -> Running
+where
+    F: std::future::Future<Output = anyhow::Result<()>> + Send + 'static,
+{
     let listener = rt
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let addr = listener.local_addr().unwrap();
-    let metrics = state.metrics.clone();
+    let fut = serve(listener);
     rt.spawn(async move {
-        if let Err(e) = verify_service::serve(state, listener, std::future::pending()).await {
-            eprintln!("verify-service stopped: {e:#}");
+        if let Err(e) = fut.await {
+            eprintln!("{name} stopped: {e:#}");
         }
     });
     Running {
         addr,
-        metrics: metrics_addr(&rt, &metrics),
+        metrics: metrics_addr(&rt, metrics),
         runtime: Some(rt),
     }
 }
@@ -192,21 +208,11 @@ pub fn start_draft(config: DraftConfig) -> Running {
     let rt = runtime();
     let _in_runtime = rt.enter(); // verify channels are created inside a runtime
     let state = draft_service::load_state(config).expect("draft-service loads");
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
     let metrics = state.metrics.clone();
-    rt.spawn(async move {
-        if let Err(e) = draft_service::serve(state, listener, std::future::pending()).await {
-            eprintln!("draft-service stopped: {e:#}");
-        }
-    });
-    Running {
-        addr,
-        metrics: metrics_addr(&rt, &metrics),
-        runtime: Some(rt),
-    }
+    drop(_in_runtime);
+    launch(rt, "draft-service", &metrics, move |listener| {
+        draft_service::serve(state, listener, std::future::pending())
+    })
 }
 
 /// Result of one Generate call, collected from the stream.
