@@ -193,7 +193,7 @@ pub struct DemoArgs {
     /// Target model (path or default name).
     #[arg(long, default_value = models::QWEN_CODER_1_5B)]
     pub target: String,
-    /// Tree node budget for the draft service.
+    /// Largest tree (nodes) the draft-service's planner may use (auto mode picks the size).
     #[arg(long, default_value_t = 6)]
     pub nodes: usize,
     /// Skip the target-only comparison run.
