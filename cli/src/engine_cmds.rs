@@ -214,9 +214,8 @@ pub fn generate_local(args: &GenerateLocalArgs) -> Result<()> {
     Ok(())
 }
 
+/// Threads the engine's CPU kernels actually run on (rayon's global pool).
 fn rayon_threads() -> usize {
-    // The engine sizes rayon's global pool; candle re-exports nothing for this, so ask rayon via
-    // the engine's init (a no-op once set).
     sequoia_shared::engine::current_threads()
 }
 

@@ -405,3 +405,23 @@ fn engine_tree_extend_level_by_level_matches_one_forward() {
         assert_eq!(b.len(), a.len());
     }
 }
+
+#[test]
+fn engine_tiny_model_works_with_the_tiny_tokenizer() {
+    // One folder with both: what generate-local and the services load in end-to-end tests.
+    use sequoia_shared::tokenizer::{testing::write_tiny_tokenizer, TextTokenizer};
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_tiny_model(dir.path(), &TinySpec::default()).unwrap();
+    write_tiny_tokenizer(&path).unwrap();
+    let tok = TextTokenizer::load_for_model(&path).unwrap();
+    let model = Model::load(&path, &LoadOptions::default()).unwrap();
+    assert_eq!(model.info().vocab_size, tok.vocab_size());
+    let ids = tok.encode("hello world", true).unwrap();
+    let mut cache = model.new_cache();
+    let mut logits = model.forward_chain_last(&mut cache, &ids).unwrap();
+    for _ in 0..5 {
+        let next = sequoia_shared::sampling::argmax(&logits);
+        logits = model.forward_chain_last(&mut cache, &[next]).unwrap();
+    }
+    assert_eq!(cache.len(), ids.len() + 5);
+}

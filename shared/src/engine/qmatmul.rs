@@ -394,22 +394,24 @@ mod tests {
     /// outliers of real models.
     #[test]
     fn rows_are_independent_of_batch() {
-        let (n, k) = (37, 768);
-        for dtype in TYPES {
-            let (kern, _) = setup(dtype, n, k);
-            let m = 13;
-            let mut x = inputs(m, k);
-            // Qwen-style outlier channels.
-            for r in 0..m {
-                x[r * k + 5] = 300.0;
-                x[r * k + 400] = -250.0;
-            }
-            let mut all = vec![0f32; m * n];
-            kern.matmul(m, &x, &mut all);
-            for r in 0..m {
-                let mut one = vec![0f32; n];
-                kern.matmul(1, &x[r * k..(r + 1) * k], &mut one);
-                assert_eq!(one, &all[r * n..(r + 1) * n], "{dtype:?} row {r}");
+        // (13, 768): partial row tiles; (20, 2048): also the k-chunked loop (several tiles).
+        for (m, k) in [(13, 768), (20, 2048)] {
+            let n = 37;
+            for dtype in TYPES {
+                let (kern, _) = setup(dtype, n, k);
+                let mut x = inputs(m, k);
+                // Qwen-style outlier channels.
+                for r in 0..m {
+                    x[r * k + 5] = 300.0;
+                    x[r * k + 400] = -250.0;
+                }
+                let mut all = vec![0f32; m * n];
+                kern.matmul(m, &x, &mut all);
+                for r in 0..m {
+                    let mut one = vec![0f32; n];
+                    kern.matmul(1, &x[r * k..(r + 1) * k], &mut one);
+                    assert_eq!(one, &all[r * n..(r + 1) * n], "{dtype:?} m={m} row {r}");
+                }
             }
         }
     }
@@ -507,7 +509,11 @@ mod bench {
             .num_threads(1)
             .build()
             .unwrap();
-        let (n, k) = (4096, 1536);
+        let shape = std::env::var("QSHAPE").unwrap_or_else(|_| "4096x1536".into());
+        let (n, k) = shape
+            .split_once('x')
+            .map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap()))
+            .unwrap();
         let types = std::env::var("QTYPES").unwrap_or_else(|_| "Q4K,Q6K,Q5_0,Q8_0".into());
         for dtype in [
             GgmlDType::Q4K,
@@ -520,19 +526,32 @@ mod bench {
             }
             let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
             let qt = QTensor::quantize(&w, dtype).unwrap();
-            let kern = kernel_from_bytes(dtype, n, k, &qt.data().unwrap()).unwrap();
-            for m in [1usize, 4, 8, 16] {
+            let bytes = qt.data().unwrap();
+            // QCOPIES > 1: cycle through copies so the weights stream from DRAM, as in a model.
+            let copies: usize = std::env::var("QCOPIES")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1);
+            let kerns: Vec<_> = (0..copies)
+                .map(|_| kernel_from_bytes(dtype, n, k, &bytes).unwrap())
+                .collect();
+            for m in [1usize, 4, 8, 16, 32] {
                 let x = inputs(m, k);
                 let mut y = vec![0f32; m * n];
+                let mut i = 0;
+                let mut next = || {
+                    i += 1;
+                    &kerns[i % kerns.len()]
+                };
                 let ns = pool.install(|| {
-                    kern.matmul(m, &x, &mut y);
+                    next().matmul(m, &x, &mut y);
                     // Best of several batches: other processes only ever add time.
                     (0..7)
                         .map(|_| {
                             let reps = 10;
                             let t = thread_cpu_ns();
                             for _ in 0..reps {
-                                kern.matmul(m, &x, &mut y);
+                                next().matmul(m, &x, &mut y);
                             }
                             (thread_cpu_ns() - t) as f64 / reps as f64
                         })
