@@ -10,8 +10,12 @@ use std::path::PathBuf;
 pub struct DraftConfig {
     /// Draft model: a .gguf file or a Hugging Face folder.
     pub model: PathBuf,
-    /// Verify nodes, e.g. ["http://10.0.0.5:50052"].
+    /// Verify nodes: URLs (e.g. "http://10.0.0.5:50052") and/or DNS names whose every address
+    /// is a node ("dns:///verify-service:50052", e.g. a Kubernetes headless Service).
     pub verify: Vec<String>,
+    /// Seconds between re-resolving DNS names and health-checking every verify node (Info:
+    /// reachable, load, draining); 0 = never (nodes are then only checked when used).
+    pub discovery_interval_secs: f64,
     /// gRPC listen address for the public Generation service.
     pub listen: String,
     /// Compute threads (0 = all cores).
@@ -98,6 +102,7 @@ impl Default for DraftConfig {
         Self {
             model: PathBuf::new(),
             verify: Vec::new(),
+            discovery_interval_secs: 10.0,
             listen: "0.0.0.0:50051".into(),
             threads: 0,
             cuda: false,

@@ -1,23 +1,25 @@
 //! One `Generate` call end to end: tokenize, open a verify session, then loop
 //! grow tree → verify → follow the verdict → stream text, until EOS, a stop string, max_tokens
-//! or the context limit.
+//! or the context limit. When the verify node dies or drains mid-generation, the session moves
+//! to another node, which prefills the committed tokens and verifies the same tree: the client
+//! sees neither an error nor a change in its text.
 
-use crate::nodes::{unavailable, VerifyNode};
+use crate::nodes::{unavailable, Reservation, VerifyNode};
 use crate::plan::NodeCosts;
 use crate::DraftState;
 use sequoia_proto::v1::{
     session_request, session_response, GenerateChunk, GenerateRequest, GenerateSummary,
-    OpenSession, SamplingConfig, SessionRequest, SparseDist as PbDist, Timings, VerifyTree,
+    OpenSession, SamplingConfig, SessionOpened, SessionRequest, SessionResponse,
+    SparseDist as PbDist, Timings, Verdict, VerifyTree,
 };
 use sequoia_shared::drafting::{DraftSession, DraftedTree};
 use sequoia_shared::sampling::SamplingParams;
 use sequoia_shared::tokenizer::{ChatMessage, IncrementalDecoder};
 use sequoia_shared::tree::Tree;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
-use tonic::Status;
+use tonic::{Code, Status};
 use tracing::{debug, info_span, Instrument};
 
 pub type ChunkTx = mpsc::Sender<Result<GenerateChunk, Status>>;
@@ -239,94 +241,200 @@ impl Stats {
 /// Run one generation, streaming chunks to `tx`. Errors are returned for the caller to send.
 pub async fn run(state: Arc<DraftState>, prep: Prepared, tx: &ChunkTx) -> Result<(), Status> {
     let t_start = Instant::now();
-    let node = choose_node(&state).await?;
-    node.active.fetch_add(1, Ordering::SeqCst);
-    let _guard = ActiveGuard(node.clone());
-    let result = generate_on(&state, &node, prep, tx, t_start)
-        .instrument(info_span!("generate", node = %node.addr))
-        .await;
-    result
+    generate(&state, prep, tx, t_start)
+        .instrument(info_span!("generate", node = tracing::field::Empty))
+        .await
 }
 
-struct ActiveGuard(Arc<VerifyNode>);
-impl Drop for ActiveGuard {
-    fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::SeqCst);
+/// How often one generation may move to another verify node before giving up.
+const MAX_FAILOVERS: u32 = 8;
+
+/// Whether a failed verify call means "try another node" rather than "report it": the node is
+/// unreachable, drains, died mid-session, or is at its session limit.
+fn try_elsewhere(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted)
+}
+
+/// One open verification session on one verify node.
+struct Link {
+    reservation: Reservation,
+    req_tx: mpsc::Sender<SessionRequest>,
+    inbound: tonic::Streaming<SessionResponse>,
+    /// Step number of the next tree on this session (each session counts from 0).
+    next_step: u64,
+    opened: SessionOpened,
+}
+
+impl Link {
+    fn node(&self) -> &Arc<VerifyNode> {
+        self.reservation.node()
+    }
+
+    fn addr(&self) -> &str {
+        &self.node().addr
+    }
+
+    /// Open a session on the reserved node and wait until it has prefilled `open.prefix_tokens`.
+    async fn open(
+        reservation: Reservation,
+        open: OpenSession,
+        timeout: Duration,
+    ) -> Result<Link, Status> {
+        let node = reservation.node().clone();
+        let addr = node.addr.clone();
+        let (req_tx, req_rx) = mpsc::channel::<SessionRequest>(2);
+        req_tx
+            .send(SessionRequest {
+                msg: Some(session_request::Msg::Open(open)),
+            })
+            .await
+            .map_err(|_| Status::internal("session request channel closed"))?;
+        let mut client = node.client();
+        let mut inbound = tokio::time::timeout(
+            timeout,
+            client.session(tokio_stream::wrappers::ReceiverStream::new(req_rx)),
+        )
+        .await
+        .map_err(|_| {
+            Status::unavailable(format!(
+                "verify node {addr} did not answer within {timeout:?}"
+            ))
+        })?
+        .map_err(|s| unavailable(&addr, &s))?
+        .into_inner();
+        let Some(session_response::Msg::Opened(opened)) =
+            next_response(&mut inbound, &addr, timeout).await?
+        else {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered `open` with something else"
+            )));
+        };
+        node.set_reported(opened.active_sessions as usize);
+        Ok(Link {
+            reservation,
+            req_tx,
+            inbound,
+            next_step: 0,
+            opened,
+        })
+    }
+
+    /// Send one tree and wait for its verdict.
+    async fn verify(&mut self, tree: &VerifyTree, timeout: Duration) -> Result<Verdict, Status> {
+        let step = self.next_step;
+        let addr = self.addr().to_string();
+        let msg = VerifyTree {
+            step,
+            ..tree.clone()
+        };
+        self.req_tx
+            .send(SessionRequest {
+                msg: Some(session_request::Msg::Tree(msg)),
+            })
+            .await
+            .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))?;
+        let Some(session_response::Msg::Verdict(verdict)) =
+            next_response(&mut self.inbound, &addr, timeout).await?
+        else {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered a tree with something else"
+            )));
+        };
+        if verdict.step != step {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered step {} for step {step}",
+                verdict.step
+            )));
+        }
+        self.next_step += 1;
+        Ok(verdict)
     }
 }
 
-/// The first reachable, compatible verify node in preference order.
-async fn choose_node(state: &DraftState) -> Result<Arc<VerifyNode>, Status> {
-    let mut last_err = None;
-    for node in state.pool.candidates() {
-        match node.info().await {
-            Ok(info) => {
-                if info.tokenizer_fingerprint != state.tokenizer.fingerprint() {
-                    return Err(Status::failed_precondition(format!(
-                        "verify node {} serves {:?}, whose tokenizer differs from the draft model {:?} (fingerprints {} vs {}); draft and target must share a tokenizer",
-                        node.addr,
-                        info.model_name,
-                        state.model.info().name,
-                        short(&info.tokenizer_fingerprint),
-                        short(state.tokenizer.fingerprint())
-                    )));
-                }
-                return Ok(node);
+/// Open a session on the best verify node that takes it, trying the others (not in `tried`)
+/// when one is unreachable, drains or is full. A node serving another tokenizer is an error.
+async fn open_anywhere(
+    state: &DraftState,
+    open: &OpenSession,
+    tried: &mut Vec<String>,
+) -> Result<Link, Status> {
+    let timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
+    let connect = Duration::from_secs_f64(state.config.connect_timeout_secs);
+    let mut last_err: Option<Status> = None;
+    while let Some(reservation) = state.pool.reserve(tried).await {
+        let node = reservation.node().clone();
+        tried.push(node.addr.clone());
+        let info = match node.info(connect).await {
+            Ok(info) => info,
+            Err(e) => {
+                last_err = Some(e);
+                continue;
             }
-            Err(e) => last_err = Some(e),
+        };
+        if info.tokenizer_fingerprint != state.tokenizer.fingerprint() {
+            return Err(Status::failed_precondition(format!(
+                "verify node {} serves {:?}, whose tokenizer differs from the draft model {:?} (fingerprints {} vs {}); draft and target must share a tokenizer",
+                node.addr,
+                info.model_name,
+                state.model.info().name,
+                short(&info.tokenizer_fingerprint),
+                short(state.tokenizer.fingerprint())
+            )));
+        }
+        match Link::open(reservation, open.clone(), timeout).await {
+            Ok(link) => return Ok(link),
+            Err(e) if try_elsewhere(&e) => {
+                if e.code() == Code::Unavailable {
+                    node.mark_unreachable();
+                }
+                tracing::warn!(node = %node.addr, error = e.message(), "verify node did not take the session; trying another");
+                last_err = Some(e);
+            }
+            Err(e) => return Err(e),
         }
     }
-    Err(last_err.unwrap_or_else(|| Status::unavailable("no verify nodes configured")))
+    Err(last_err.unwrap_or_else(|| {
+        Status::unavailable(format!(
+            "no verify node is available (configured: {}); check that verify-service runs and the names resolve",
+            state.pool.describe()
+        ))
+    }))
 }
 
 fn short(s: &str) -> &str {
     &s[..s.len().min(12)]
 }
 
-async fn generate_on(
+/// Seed of the verify side's random stream after the k-th move, so a moved session never
+/// reuses the uniforms its earlier steps consumed.
+fn moved_seed(seed: u64, k: u32) -> u64 {
+    seed ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+async fn generate(
     state: &Arc<DraftState>,
-    node: &Arc<VerifyNode>,
     prep: Prepared,
     tx: &ChunkTx,
     t_start: Instant,
 ) -> Result<(), Status> {
-    let addr = node.addr.clone();
     let step_timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
-    let (req_tx, req_rx) = mpsc::channel::<SessionRequest>(2);
     let prompt = &prep.prompt_tokens;
+    // The verify node holds every committed token but the newest (the next tree's root).
     let (prefix, mut root) = (
         prompt[..prompt.len() - 1].to_vec(),
         prompt[prompt.len() - 1],
     );
+    let sampling = SamplingConfig {
+        temperature: prep.params.temperature,
+        top_p: prep.params.top_p,
+        top_k: prep.params.top_k as u32,
+    };
     let open = OpenSession {
         prefix_tokens: prefix.clone(),
-        sampling: Some(SamplingConfig {
-            temperature: prep.params.temperature,
-            top_p: prep.params.top_p,
-            top_k: prep.params.top_k as u32,
-        }),
+        sampling: Some(sampling),
         seed: prep.seed,
         max_new_tokens: prep.max_tokens as u32,
     };
-    req_tx
-        .send(SessionRequest {
-            msg: Some(session_request::Msg::Open(open)),
-        })
-        .await
-        .map_err(|_| Status::internal("session request channel closed"))?;
-    let mut client = node.client();
-    let mut inbound = tokio::time::timeout(
-        step_timeout,
-        client.session(tokio_stream::wrappers::ReceiverStream::new(req_rx)),
-    )
-    .await
-    .map_err(|_| {
-        Status::unavailable(format!(
-            "verify node {addr} did not answer within {step_timeout:?}"
-        ))
-    })?
-    .map_err(|s| unavailable(&addr, &s))?
-    .into_inner();
 
     // Prefill the draft while the verify node prefills the target.
     let model = state.model.clone();
@@ -335,18 +443,17 @@ async fn generate_on(
     let draft_prefill = tokio::task::spawn_blocking(move || {
         DraftSession::new(&model, &prefix, params, seed, wire_k)
     });
-    let opened = next_response(&mut inbound, &addr, step_timeout).await?;
-    let Some(session_response::Msg::Opened(opened)) = opened else {
-        return Err(Status::internal(format!(
-            "verify node {addr} answered `open` with something else"
-        )));
-    };
+    let mut link = open_anywhere(state, &open, &mut Vec::new()).await?;
+    tracing::Span::current().record("node", link.addr());
     let mut draft = draft_prefill
         .await
         .map_err(|e| Status::internal(format!("draft prefill task failed: {e}")))?
         .map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
     let prefill_ms = t_prefill.elapsed().as_secs_f64() * 1e3;
-    let context_limit = state.context_limit().min(opened.context_limit as usize);
+    let mut context_limit = state
+        .context_limit()
+        .min(link.opened.context_limit as usize);
+    let mut failovers = 0u32;
 
     let eos = state.tokenizer.eos_ids().to_vec();
     let mut out = TextOut {
@@ -363,7 +470,7 @@ async fn generate_on(
         stop: prep.stop.clone(),
     };
     let greedy = prep.params.is_greedy();
-    let costs = node_costs(state, node).await?;
+    let costs = node_costs(state, link.node()).await?;
     let mut plan = state
         .planner
         .plan(costs.as_ref(), greedy)
@@ -433,43 +540,60 @@ async fn generate_on(
                 })
                 .collect(),
         };
-        let t_rt = Instant::now();
-        req_tx
-            .send(SessionRequest {
-                msg: Some(session_request::Msg::Tree(tree_msg)),
-            })
-            .await
-            .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))?;
-        let Some(session_response::Msg::Verdict(verdict)) =
-            next_response(&mut inbound, &addr, step_timeout).await?
-        else {
-            return Err(Status::internal(format!(
-                "verify node {addr} answered a tree with something else"
-            )));
+        let (verdict, round_trip) = loop {
+            let t_rt = Instant::now();
+            match link.verify(&tree_msg, step_timeout).await {
+                Ok(v) => break (v, t_rt.elapsed()),
+                Err(e) if e.code() == Code::Unavailable && failovers < MAX_FAILOVERS => {
+                    // The node died or drains: continue on another one from the committed
+                    // tokens (prompt + generated; the root is the newest) and re-send this tree.
+                    failovers += 1;
+                    state.metrics.failover();
+                    link.node().mark_unreachable();
+                    let lost = link.addr().to_string();
+                    tracing::warn!(node = %lost, error = e.message(), failovers, "verify node lost mid-generation; moving the session");
+                    let mut committed = prep.prompt_tokens.clone();
+                    committed.extend_from_slice(&generated);
+                    debug_assert_eq!(committed.last(), Some(&root));
+                    let moved = OpenSession {
+                        prefix_tokens: committed[..committed.len() - 1].to_vec(),
+                        sampling: Some(sampling),
+                        seed: moved_seed(prep.seed, failovers),
+                        max_new_tokens: (prep.max_tokens - generated.len()) as u32,
+                    };
+                    link = open_anywhere(state, &moved, &mut vec![lost.clone()])
+                        .await
+                        .map_err(|e2| {
+                            Status::unavailable(format!(
+                                "verify node {lost} failed mid-generation ({}) and no other node could continue it: {}",
+                                e.message(),
+                                e2.message()
+                            ))
+                        })?;
+                    context_limit = context_limit.min(link.opened.context_limit as usize);
+                    tracing::info!(node = %link.addr(), "session moved");
+                }
+                Err(e) => return Err(e),
+            }
         };
-        stats.roundtrip += t_rt.elapsed();
+        stats.roundtrip += round_trip;
         stats.verify_ms += verdict.verify_ms;
         if let (Some(pred), true) = (&plan.prediction, full_tree) {
             state
                 .planner
                 .observe_times(pred, verdict.verify_ms, step_draft.as_secs_f64() * 1e3);
         }
-        if verdict.step != step {
-            return Err(Status::internal(format!(
-                "verify node {addr} answered step {} for step {step}",
-                verdict.step
-            )));
-        }
         if verdict.next_token as usize >= state.model.info().vocab_size {
             return Err(Status::internal(format!(
-                "verify node {addr} sent token {} outside the vocabulary",
+                "verify node {} sent token {} outside the vocabulary",
+                link.addr(),
                 verdict.next_token
             )));
         }
         let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
         draft
             .commit(&drafted, &accepted)
-            .map_err(|e| Status::internal(format!("verify node {addr}: {e}")))?;
+            .map_err(|e| Status::internal(format!("verify node {}: {e}", link.addr())))?;
         stats.record(&drafted, &accepted, &verdict.accepted_ranks);
         stats.steps += 1;
         step += 1;
@@ -550,7 +674,8 @@ async fn generate_on(
         }),
         finish_reason: finish.into(),
         seed: prep.seed,
-        verify_node: addr.clone(),
+        verify_node: link.addr().to_string(),
+        failovers,
         plan: Some(match &prep.forced_tree {
             None => plan.to_proto(replans),
             Some(t) => sequoia_proto::v1::TreePlan {

@@ -3,8 +3,9 @@
 //! grow a token tree with the draft model → send it → follow the verdict, streaming the
 //! committed text back to the client.
 //!
-//! Layout: [`config`] (settings), [`plan`] (tree shapes), [`nodes`] (verify nodes, compatibility, choice),
-//! [`generation`] (the per-request loop) and [`serve`] here (the gRPC server).
+//! Layout: [`config`] (settings), [`plan`] (tree shapes), [`nodes`] (verify nodes: discovery,
+//! health, least-loaded choice), [`generation`] (the per-request loop, failover included) and
+//! [`serve`] here (the gRPC server).
 
 pub mod config;
 pub mod generation;
@@ -39,7 +40,7 @@ pub struct DraftState {
     pub model: Arc<Model>,
     pub tokenizer: Arc<TextTokenizer>,
     pub config: DraftConfig,
-    pub pool: NodePool,
+    pub pool: Arc<NodePool>,
     pub planner: Planner,
     /// Prometheus series (recording is a no-op when `metrics_listen` is empty).
     pub metrics: Metrics,
@@ -66,8 +67,15 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
         &config.verify,
         Duration::from_secs_f64(config.connect_timeout_secs),
         &verify_security(&config)?,
+        !config.verify_tls_domain.is_empty(),
     )
     .map_err(anyhow::Error::msg)?;
+    if !config.discovery_interval_secs.is_finite() || config.discovery_interval_secs < 0.0 {
+        anyhow::bail!(
+            "discovery_interval_secs must be ≥ 0 (0 = no periodic health checks), got {}",
+            config.discovery_interval_secs
+        );
+    }
     let planner = Planner::new(&config.tree, config.wire_top_k).map_err(anyhow::Error::msg)?;
     let opts = LoadOptions {
         threads: (config.threads > 0).then_some(config.threads),
@@ -83,7 +91,7 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
         model: Arc::new(model),
         tokenizer: Arc::new(tokenizer),
         config,
-        pool,
+        pool: Arc::new(pool),
         planner,
         active: AtomicUsize::new(0),
         draining: AtomicBool::new(false),
@@ -219,6 +227,10 @@ pub async fn serve(
     let metrics_server = state.metrics.spawn_server(&config.metrics_listen).await?;
     let probe_endpoint =
         security::spawn_probe_endpoint(Routes::new(health.clone()), &config.health_listen).await?;
+    // Resolve DNS names and health-check verify nodes now and then every interval.
+    state
+        .pool
+        .spawn_refresh(Duration::from_secs_f64(config.discovery_interval_secs));
     let drain = state.clone();
     let shutdown = async move {
         shutdown.await;

@@ -159,6 +159,21 @@ pub fn start_verify(config: VerifyConfig) -> Running {
     })
 }
 
+/// A verify-service that shuts down gracefully (as on SIGTERM: drain, then stop) when the
+/// returned sender fires.
+pub fn start_verify_drainable(config: VerifyConfig) -> (Running, tokio::sync::oneshot::Sender<()>) {
+    let rt = runtime();
+    let state = verify_service::load_state(config).expect("verify-service loads");
+    let metrics = state.metrics.clone();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let running = launch(rt, "verify-service", &metrics, move |listener| {
+        verify_service::serve(state, listener, async move {
+            let _ = rx.await;
+        })
+    });
+    (running, tx)
+}
+
 /// Bind an ephemeral port on `rt` and serve there until the runtime is dropped.
 fn launch<F>(
     rt: tokio::runtime::Runtime,

@@ -495,6 +495,18 @@ fn check_overlay(overlay: &str, gpu: bool) {
         },
         &mut secret_keys,
     );
+    // A drained pod ends its remaining sessions (they move) before Kubernetes kills it.
+    let grace = vd
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.spec.as_ref())
+        .and_then(|p| p.termination_grace_period_seconds)
+        .unwrap_or(30);
+    assert!(
+        v.drain_timeout_secs + 5.0 < grace as f64,
+        "verify drain_timeout_secs {} must leave time within terminationGracePeriodSeconds {grace}",
+        v.drain_timeout_secs
+    );
     assert!(
         given(&v.tls_cert).is_some() && given(&v.tls_client_ca).is_some(),
         "verify: mutual TLS on"
@@ -533,8 +545,8 @@ fn check_overlay(overlay: &str, gpu: bool) {
         &mut secret_keys,
     );
 
-    // The draft reaches verify pods through the headless Service, over TLS with a client
-    // certificate and a token; certificates are checked against the Service name.
+    // The draft discovers verify pods through the headless Service's DNS name, and reaches them
+    // over TLS with a client certificate and a token; certificates name the Service.
     let vs = r.services["verify-service"].spec.as_ref().unwrap();
     assert_eq!(
         vs.cluster_ip.as_deref(),
@@ -549,8 +561,9 @@ fn check_overlay(overlay: &str, gpu: bool) {
         .unwrap();
     assert_eq!(
         d.verify,
-        vec![format!("https://verify-service:{}", grpc.port)]
+        vec![format!("dns:///verify-service:{}", grpc.port)]
     );
+    assert!(d.discovery_interval_secs > 0.0, "DNS is re-resolved");
     assert_eq!(d.verify_tls_domain, "verify-service");
     assert!(given(&d.verify_tls_cert).is_some() && given(&d.verify_token_file).is_some());
     assert!(

@@ -19,6 +19,9 @@ pub struct VerifyConfig {
     pub max_context: usize,
     /// Concurrent sessions; more get RESOURCE_EXHAUSTED.
     pub max_sessions: usize,
+    /// On shutdown, seconds open sessions may still finish before they are ended (UNAVAILABLE)
+    /// so their draft nodes move them to other verify nodes.
+    pub drain_timeout_secs: f64,
     /// Largest tree accepted per step.
     pub max_tree_nodes: usize,
     /// Deepest tree accepted per step (levels, root included).
@@ -52,6 +55,7 @@ impl Default for VerifyConfig {
             cuda: false,
             max_context: 4096,
             max_sessions: 16,
+            drain_timeout_secs: 10.0,
             max_tree_nodes: 512,
             max_tree_levels: 32,
             max_dist_entries: 1024,

@@ -49,8 +49,34 @@ pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
     Ok(Arc::new(VerifyState::new(model, tokenizer, config)))
 }
 
-/// Serve Verifier + health + reflection on `listener` until `shutdown` resolves; then stop
-/// taking sessions and let open ones finish. TLS, mutual TLS, bearer tokens and the metrics
+/// Refuse new sessions, wait up to `drain_timeout_secs` for open ones, then tell the rest to
+/// move.
+async fn drain(state: &VerifyState) {
+    state.draining.store(true, Ordering::SeqCst);
+    let open = state.active.load(Ordering::SeqCst);
+    let timeout = std::time::Duration::from_secs_f64(state.config.drain_timeout_secs.max(0.0));
+    tracing::info!(
+        open,
+        ?timeout,
+        "shutting down: no new sessions; open sessions may finish"
+    );
+    let deadline = tokio::time::Instant::now() + timeout;
+    while state.active.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let left = state.active.load(Ordering::SeqCst);
+    if left > 0 {
+        tracing::info!(
+            sessions = left,
+            "drain timeout: moving the open sessions to other nodes"
+        );
+        state.moving.send_replace(true);
+    }
+}
+
+/// Serve Verifier + health + reflection on `listener` until `shutdown` resolves; then drain:
+/// refuse new sessions, give open ones `drain_timeout_secs` to finish, end the rest so their
+/// draft nodes move them to other verify nodes, and return. TLS, mutual TLS, bearer tokens and the metrics
 /// endpoint follow the config (`tls_*`, `auth_*`, `metrics_listen`).
 pub async fn serve(
     state: Arc<VerifyState>,
@@ -84,7 +110,7 @@ pub async fn serve(
         reporter
             .set_not_serving::<VerifierServer<VerifierService>>()
             .await;
-        tracing::info!("shutting down: no new sessions, open sessions finish");
+        drain(&drain_state).await;
     };
     tracing::info!(
         addr = %listener.local_addr()?,

@@ -29,6 +29,9 @@ pub struct VerifyState {
     pub active: AtomicUsize,
     /// Set on shutdown: no new sessions.
     pub draining: AtomicBool,
+    /// Set when the drain timeout has passed: open sessions end at once (UNAVAILABLE) so their
+    /// draft nodes move them elsewhere.
+    pub moving: tokio::sync::watch::Sender<bool>,
     /// Prometheus series (recording is a no-op when `metrics_listen` is empty).
     pub metrics: Metrics,
     next_session: AtomicUsize,
@@ -43,6 +46,7 @@ impl VerifyState {
             config,
             active: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
+            moving: tokio::sync::watch::Sender::new(false),
             next_session: AtomicUsize::new(0),
         }
     }
@@ -164,7 +168,17 @@ async fn run_session(
     {
         return Ok(()); // client went away
     }
-    while let Some(msg) = inbound.message().await? {
+    let mut moving = state.moving.subscribe();
+    loop {
+        let msg = tokio::select! {
+            msg = inbound.message() => msg?,
+            _ = moved(&mut moving) => {
+                return Err(Status::unavailable(
+                    "verify node is shutting down; the session continues on another node",
+                ));
+            }
+        };
+        let Some(msg) = msg else { break };
         let Some(session_request::Msg::Tree(tree)) = msg.msg else {
             return Err(Status::invalid_argument(
                 "after `open`, every message must be a `tree`",
@@ -213,6 +227,13 @@ async fn run_session(
     Ok(())
 }
 
+/// Resolves once the node tells its sessions to move (never if the flag's sender is gone).
+async fn moved(flag: &mut tokio::sync::watch::Receiver<bool>) {
+    if flag.wait_for(|m| *m).await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 #[tonic::async_trait]
 impl Verifier for VerifierService {
     type SessionStream = ReceiverStream<Result<SessionResponse, Status>>;
@@ -257,6 +278,7 @@ impl Verifier for VerifierService {
             active_sessions: s.active.load(Ordering::SeqCst) as u32,
             max_sessions: s.config.max_sessions as u32,
             max_tree_nodes: s.config.max_tree_nodes as u32,
+            draining: s.draining.load(Ordering::SeqCst),
         }))
     }
 

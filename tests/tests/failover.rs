@@ -1,0 +1,180 @@
+//! Several verify nodes behind one draft node: new sessions spread over them, and a node that
+//! dies or drains mid-generation costs the client nothing — every generation completes, without
+//! an error, with the same text as without the failure (T = 0).
+
+use futures::future::join_all;
+use sequoia_proto::v1::generation_client::GenerationClient;
+use sequoia_proto::v1::verifier_client::VerifierClient;
+use sequoia_proto::v1::{GenerateChunk, InfoRequest};
+use sequoia_tests::*;
+use std::collections::BTreeSet;
+
+const PROMPTS: [&str; 6] = [
+    "hello world",
+    "The quick brown fox",
+    "fn main() { println!(\"hi\"); }",
+    "a",
+    "world hello world",
+    "quick fox",
+];
+
+/// Long enough that every generation is still running when a node is taken away.
+const TOKENS: u32 = 600;
+
+/// A Generate stream that has delivered its first chunk, and the rest collected later.
+struct Started {
+    stream: tonic::Streaming<GenerateChunk>,
+    first: GenerateChunk,
+}
+
+async fn start(draft_url: &str, prompt: &str) -> Started {
+    let mut client = GenerationClient::connect(draft_url.to_string())
+        .await
+        .unwrap();
+    let mut stream = client
+        .generate(request(prompt, TOKENS, 0.0, 7))
+        .await
+        .expect("generation starts")
+        .into_inner();
+    let first = stream
+        .message()
+        .await
+        .expect("first chunk")
+        .expect("stream open");
+    Started { stream, first }
+}
+
+/// Read the rest of a stream; any error fails the test (the client must never see one).
+async fn finish(s: Started) -> Generated {
+    let mut out = Generated::default();
+    let mut next = Some(s.first);
+    let mut stream = s.stream;
+    while let Some(chunk) = next {
+        out.text.push_str(&chunk.text);
+        out.tokens.extend(&chunk.token_ids);
+        if chunk.summary.is_some() {
+            out.summary = chunk.summary.clone();
+        }
+        next = stream
+            .message()
+            .await
+            .unwrap_or_else(|s| panic!("the client saw an error: {s:?}"));
+    }
+    out
+}
+
+async fn active_sessions(url: &str) -> u32 {
+    let mut c = VerifierClient::connect(url.to_string()).await.unwrap();
+    c.info(InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .active_sessions
+}
+
+#[test]
+fn sessions_spread_over_three_nodes_and_survive_one_killed() {
+    let pair = TinyPair::new();
+    let mut nodes: Vec<Running> = (0..3)
+        .map(|_| start_verify(verify_config(&pair.target)))
+        .collect();
+    let urls: Vec<String> = nodes.iter().map(Running::url).collect();
+    let draft = start_draft(draft_config(&pair.draft, &urls, 4, 3));
+    let want: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| plain_greedy(&pair.target, p, TOKENS as usize))
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let draft_url = draft.url();
+
+    // No failure: concurrent generations use all three nodes and equal target-only decoding.
+    let base = rt.block_on(within(
+        300,
+        join_all(
+            PROMPTS
+                .iter()
+                .map(|p| generate(&draft_url, request(p, TOKENS, 0.0, 7))),
+        ),
+    ));
+    let mut used = BTreeSet::new();
+    for ((got, want), prompt) in base.into_iter().zip(&want).zip(PROMPTS) {
+        let got = got.expect("generation succeeds");
+        assert_eq!(&got.tokens, want, "prompt {prompt:?}");
+        let s = got.summary.unwrap();
+        assert_eq!(s.failovers, 0);
+        used.insert(s.verify_node);
+    }
+    assert_eq!(
+        used,
+        urls.iter().cloned().collect::<BTreeSet<_>>(),
+        "6 concurrent sessions spread over all 3 nodes"
+    );
+
+    // Kill the busiest node while every generation is mid-way.
+    let (got, victim) = rt.block_on(within(300, async {
+        let started = join_all(PROMPTS.iter().map(|p| start(&draft_url, p))).await;
+        let load = join_all(urls.iter().map(|u| active_sessions(u))).await;
+        let victim = (0..3).max_by_key(|&i| load[i]).unwrap();
+        assert!(load[victim] > 0, "sessions are open: {load:?}");
+        nodes[victim].kill();
+        (join_all(started.into_iter().map(finish)).await, victim)
+    }));
+    let mut failovers = 0;
+    for ((got, want), prompt) in got.into_iter().zip(&want).zip(PROMPTS) {
+        assert_eq!(
+            &got.tokens, want,
+            "prompt {prompt:?} after a node was killed"
+        );
+        let s = got
+            .summary
+            .expect("every generation completes with a summary");
+        assert_eq!(s.generated_tokens as usize, want.len());
+        assert_ne!(s.verify_node, urls[victim], "finished on a live node");
+        failovers += s.failovers;
+    }
+    assert!(failovers >= 1, "the killed node's sessions moved");
+    // The text is whole too: what was streamed decodes to the same as the tokens.
+    drop(draft);
+}
+
+#[test]
+fn a_draining_node_moves_its_sessions_and_takes_no_new_ones() {
+    let pair = TinyPair::new();
+    let mut drain_cfg = verify_config(&pair.target);
+    drain_cfg.drain_timeout_secs = 0.0;
+    let (draining, trigger) = start_verify_drainable(drain_cfg);
+    let other = start_verify(verify_config(&pair.target));
+    let urls = [draining.url(), other.url()];
+    let mut cfg = draft_config(&pair.draft, &urls, 4, 3);
+    cfg.discovery_interval_secs = 0.2;
+    let draft = start_draft(cfg);
+    let want: Vec<Vec<u32>> = PROMPTS[..2]
+        .iter()
+        .map(|p| plain_greedy(&pair.target, p, TOKENS as usize))
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let draft_url = draft.url();
+    let got = rt.block_on(within(300, async {
+        let started = join_all(PROMPTS[..2].iter().map(|p| start(&draft_url, p))).await;
+        assert!(active_sessions(&urls[0]).await > 0, "one session per node");
+        trigger.send(()).unwrap(); // SIGTERM
+        join_all(started.into_iter().map(finish)).await
+    }));
+    let mut failovers = 0;
+    for ((got, want), prompt) in got.into_iter().zip(&want).zip(PROMPTS) {
+        assert_eq!(&got.tokens, want, "prompt {prompt:?} across the drain");
+        let s = got.summary.unwrap();
+        assert_eq!(s.verify_node, urls[1]);
+        failovers += s.failovers;
+    }
+    assert_eq!(failovers, 1, "the drained node's session moved once");
+    // New generations go to the remaining node.
+    let again = rt
+        .block_on(within(
+            120,
+            generate(&draft.url(), request("a", 20, 0.0, 1)),
+        ))
+        .expect("a new generation after the drain succeeds");
+    assert_eq!(again.summary.unwrap().verify_node, urls[1]);
+    drop(draining);
+}
