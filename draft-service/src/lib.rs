@@ -3,10 +3,11 @@
 //! grow a token tree with the draft model → send it → follow the verdict, streaming the
 //! committed text back to the client.
 //!
-//! Layout: [`config`] (settings), [`plan`] (tree shapes), [`nodes`] (verify nodes: discovery,
-//! health, least-loaded choice), [`generation`] (the per-request loop, failover included) and
-//! [`serve`] here (the gRPC server).
+//! Layout: [`cli`] (the command line), [`config`] (settings), [`plan`] (tree shapes),
+//! [`nodes`] (verify nodes: discovery, health, least-loaded choice), [`generation`] (the
+//! per-request loop, failover included) and [`serve`] here (the gRPC server).
 
+pub mod cli;
 pub mod config;
 pub mod generation;
 pub mod nodes;

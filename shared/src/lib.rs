@@ -15,7 +15,7 @@
 //! - [`models`]: the default model set and where it is fetched to;
 //! - [`profiling`]: measured forward costs for the planner.
 //!
-//! Service plumbing shared by both binaries: [`config`] (figment layers), [`telemetry`],
+//! Service plumbing shared by both binaries: [`config`] (figment layers), [`telemetry`], [`process`],
 //! [`security`] (TLS, mutual TLS, bearer tokens) and [`metrics`] (Prometheus).
 
 pub mod config;
@@ -24,6 +24,7 @@ pub mod engine;
 pub mod metrics;
 pub mod models;
 pub mod planner;
+pub mod process;
 pub mod profiling;
 pub mod sampling;
 pub mod security;

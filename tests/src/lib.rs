@@ -159,21 +159,6 @@ pub fn start_verify(config: VerifyConfig) -> Running {
     })
 }
 
-/// A verify-service that shuts down gracefully (as on SIGTERM: drain, then stop) when the
-/// returned sender fires.
-pub fn start_verify_drainable(config: VerifyConfig) -> (Running, tokio::sync::oneshot::Sender<()>) {
-    let rt = runtime();
-    let state = verify_service::load_state(config).expect("verify-service loads");
-    let metrics = state.metrics.clone();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let running = launch(rt, "verify-service", &metrics, move |listener| {
-        verify_service::serve(state, listener, async move {
-            let _ = rx.await;
-        })
-    });
-    (running, tx)
-}
-
 /// Bind an ephemeral port on `rt` and serve there until the runtime is dropped.
 fn launch<F>(
     rt: tokio::runtime::Runtime,
@@ -476,4 +461,102 @@ impl Default for TestPki {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// verify-service as a separate OS process running the real command line, for tests that kill
+/// it (SIGKILL) or shut it down (SIGTERM). Killed when dropped.
+pub struct VerifyProcess {
+    pub addr: SocketAddr,
+    child: std::process::Child,
+}
+
+impl VerifyProcess {
+    /// Start `exe` (in integration tests: `env!("CARGO_BIN_EXE_verify-node-under-test")`,
+    /// the real verify-service command line) for `model` on a free local port, with extra
+    /// `SEQUOIA_*` settings, and wait until it answers `Info`.
+    pub fn start(exe: &str, model: &Path, env: &[(&str, &str)]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let child = std::process::Command::new(exe)
+            .arg("--model")
+            .arg(model)
+            .args(["--listen", &addr.to_string(), "--max-context", "1024"])
+            .args(["--threads", "1"])
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("verify-node-under-test starts");
+        let mut process = Self { addr, child };
+        let url = process.url();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let ready = rt.block_on(async {
+            for _ in 0..600 {
+                if let Ok(mut c) =
+                    sequoia_proto::v1::verifier_client::VerifierClient::connect(url.clone()).await
+                {
+                    if c.info(sequoia_proto::v1::InfoRequest {}).await.is_ok() {
+                        return true;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            false
+        });
+        if !ready {
+            let status = process.child.try_wait();
+            panic!(
+                "verify-service process on {addr} did not answer within 60 s (exit: {status:?})"
+            );
+        }
+        process
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// SIGKILL: the process dies at once, like a lost machine.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM: what Kubernetes sends before it stops a pod.
+    pub fn terminate(&self) {
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .expect("kill(1) runs");
+        assert!(status.success(), "kill -TERM failed");
+    }
+
+    /// The exit status, waiting at most `secs`.
+    pub fn wait_exit(&mut self, secs: u64) -> Option<std::process::ExitStatus> {
+        for _ in 0..secs * 20 {
+            if let Ok(Some(s)) = self.child.try_wait() {
+                return Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    }
+}
+
+impl Drop for VerifyProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The value of one Prometheus series (`name{labels}` exactly as rendered), if present.
+pub fn series_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }

@@ -1,11 +1,13 @@
-//! Several verify nodes behind one draft node: new sessions spread over them, and a node that
-//! dies or drains mid-generation costs the client nothing — every generation completes, without
-//! an error, with the same text as without the failure (T = 0).
+//! Several verify-service processes behind one draft-service: new sessions spread over them,
+//! and a node that dies (SIGKILL) or drains (SIGTERM) mid-generation costs the client nothing:
+//! every generation completes, without an error, with the same tokens as without the failure
+//! (T = 0, which is also plain target decoding).
 
 use futures::future::join_all;
 use sequoia_proto::v1::generation_client::GenerationClient;
 use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::{GenerateChunk, InfoRequest};
+use sequoia_shared::metrics;
 use sequoia_tests::*;
 use std::collections::BTreeSet;
 
@@ -17,6 +19,9 @@ const PROMPTS: [&str; 6] = [
     "world hello world",
     "quick fox",
 ];
+
+/// The real verify-service command line, run as separate processes.
+const VERIFY_EXE: &str = env!("CARGO_BIN_EXE_verify-node-under-test");
 
 /// Long enough that every generation is still running when a node is taken away.
 const TOKENS: u32 = 600;
@@ -72,14 +77,21 @@ async fn active_sessions(url: &str) -> u32 {
         .active_sessions
 }
 
+fn failovers_counted(metrics_text: &str) -> f64 {
+    let series = format!("{}{{service=\"draft-service\"}}", metrics::FAILOVERS);
+    series_value(metrics_text, &series).expect("failover series present")
+}
+
 #[test]
 fn sessions_spread_over_three_nodes_and_survive_one_killed() {
     let pair = TinyPair::new();
-    let mut nodes: Vec<Running> = (0..3)
-        .map(|_| start_verify(verify_config(&pair.target)))
+    let mut nodes: Vec<VerifyProcess> = (0..3)
+        .map(|_| VerifyProcess::start(VERIFY_EXE, &pair.target, &[]))
         .collect();
-    let urls: Vec<String> = nodes.iter().map(Running::url).collect();
-    let draft = start_draft(draft_config(&pair.draft, &urls, 4, 3));
+    let urls: Vec<String> = nodes.iter().map(VerifyProcess::url).collect();
+    let mut cfg = draft_config(&pair.draft, &urls, 4, 3);
+    cfg.metrics_listen = "127.0.0.1:0".into();
+    let draft = start_draft(cfg);
     let want: Vec<Vec<u32>> = PROMPTS
         .iter()
         .map(|p| plain_greedy(&pair.target, p, TOKENS as usize))
@@ -110,7 +122,7 @@ fn sessions_spread_over_three_nodes_and_survive_one_killed() {
         "6 concurrent sessions spread over all 3 nodes"
     );
 
-    // Kill the busiest node while every generation is mid-way.
+    // SIGKILL the busiest node while every generation is mid-way.
     let (got, victim) = rt.block_on(within(300, async {
         let started = join_all(PROMPTS.iter().map(|p| start(&draft_url, p))).await;
         let load = join_all(urls.iter().map(|u| active_sessions(u))).await;
@@ -133,17 +145,28 @@ fn sessions_spread_over_three_nodes_and_survive_one_killed() {
         failovers += s.failovers;
     }
     assert!(failovers >= 1, "the killed node's sessions moved");
-    // The text is whole too: what was streamed decodes to the same as the tokens.
-    drop(draft);
+    let text = rt.block_on(scrape(draft.metrics.unwrap()));
+    assert_eq!(failovers_counted(&text), failovers as f64);
+
+    // New generations avoid the dead node.
+    let again = rt
+        .block_on(within(120, generate(&draft_url, request("a", 20, 0.0, 1))))
+        .expect("a generation after the failure succeeds");
+    let s = again.summary.unwrap();
+    assert_ne!(s.verify_node, urls[victim]);
+    assert_eq!(s.failovers, 0);
 }
 
 #[test]
-fn a_draining_node_moves_its_sessions_and_takes_no_new_ones() {
+fn sigterm_drains_a_node_its_sessions_move_and_it_exits() {
     let pair = TinyPair::new();
-    let mut drain_cfg = verify_config(&pair.target);
-    drain_cfg.drain_timeout_secs = 0.0;
-    let (draining, trigger) = start_verify_drainable(drain_cfg);
-    let other = start_verify(verify_config(&pair.target));
+    // drain_timeout_secs = 0: open sessions move at once instead of finishing.
+    let mut draining = VerifyProcess::start(
+        VERIFY_EXE,
+        &pair.target,
+        &[("SEQUOIA_DRAIN_TIMEOUT_SECS", "0")],
+    );
+    let other = VerifyProcess::start(VERIFY_EXE, &pair.target, &[]);
     let urls = [draining.url(), other.url()];
     let mut cfg = draft_config(&pair.draft, &urls, 4, 3);
     cfg.discovery_interval_secs = 0.2;
@@ -157,7 +180,7 @@ fn a_draining_node_moves_its_sessions_and_takes_no_new_ones() {
     let got = rt.block_on(within(300, async {
         let started = join_all(PROMPTS[..2].iter().map(|p| start(&draft_url, p))).await;
         assert!(active_sessions(&urls[0]).await > 0, "one session per node");
-        trigger.send(()).unwrap(); // SIGTERM
+        draining.terminate();
         join_all(started.into_iter().map(finish)).await
     }));
     let mut failovers = 0;
@@ -168,13 +191,13 @@ fn a_draining_node_moves_its_sessions_and_takes_no_new_ones() {
         failovers += s.failovers;
     }
     assert_eq!(failovers, 1, "the drained node's session moved once");
+    let status = draining
+        .wait_exit(30)
+        .expect("the drained verify-service exits");
+    assert!(status.success(), "clean exit after draining: {status:?}");
     // New generations go to the remaining node.
     let again = rt
-        .block_on(within(
-            120,
-            generate(&draft.url(), request("a", 20, 0.0, 1)),
-        ))
+        .block_on(within(120, generate(&draft_url, request("a", 20, 0.0, 1))))
         .expect("a new generation after the drain succeeds");
     assert_eq!(again.summary.unwrap().verify_node, urls[1]);
-    drop(draining);
 }

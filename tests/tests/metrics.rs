@@ -4,11 +4,7 @@ use sequoia_shared::metrics::{self, ALL};
 use sequoia_tests::*;
 use std::time::Duration;
 
-/// The value of one series (`name{labels}` exactly as rendered), if present.
-fn value(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-}
+use sequoia_tests::series_value as value;
 
 #[test]
 fn metrics_endpoints_report_a_generation() {

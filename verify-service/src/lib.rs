@@ -6,9 +6,11 @@
 //! The cache lives exactly as long as the stream. `Info` and `Profile` let draft nodes check
 //! tokenizer compatibility and measure verify cost for the planner.
 //!
-//! Layout: [`config`] (settings), [`session`] (plain per-session logic), [`service`] (the gRPC
-//! layer), and [`serve`] here (health, reflection, graceful shutdown).
+//! Layout: [`cli`] (the command line), [`config`] (settings), [`session`] (plain per-session
+//! logic), [`service`] (the gRPC layer), and [`serve`] here (health, reflection, draining
+//! shutdown).
 
+pub mod cli;
 pub mod config;
 pub mod service;
 pub mod session;

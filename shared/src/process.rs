@@ -1,0 +1,43 @@
+//! Process plumbing of the two service binaries: an async runtime, logging, the listening
+//! socket, and serving until SIGTERM (Kubernetes, `kill`) or Ctrl-C.
+
+use anyhow::Context;
+use std::future::Future;
+use std::pin::Pin;
+
+/// Resolves when the process is asked to stop.
+pub type Shutdown = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Start a runtime, set up logging, bind `listen`, then run `serve(listener, shutdown)` to the
+/// end; `shutdown` resolves on the first SIGTERM or Ctrl-C.
+pub fn run_server<F, Fut>(listen: &str, log_json: bool, serve: F) -> anyhow::Result<()>
+where
+    F: FnOnce(tokio::net::TcpListener, Shutdown) -> Fut,
+    Fut: Future<Output = anyhow::Result<()>>,
+{
+    crate::telemetry::init_logging(log_json);
+    let runtime = tokio::runtime::Runtime::new().context("cannot start the async runtime")?;
+    runtime.block_on(async {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("cannot listen on {listen}"))?;
+        serve(listener, Box::pin(shutdown_signal())).await
+    })
+}
+
+/// Resolves on the first SIGTERM or Ctrl-C.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => tokio::select! { _ = ctrl_c => {}, _ = term.recv() => {} },
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; stopping on Ctrl-C only");
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
