@@ -501,8 +501,10 @@ async fn generate(
             Some(t) if t.len() <= room => t.clone(),
             // Auto mode without speculation would never see a verdict again: probe with a
             // two-node chain once every four re-plan periods so the acceptance estimate keeps
-            // learning (a probe costs the draft's catch-up over the tokens it skipped).
+            // learning (a probe costs the draft's catch-up over the tokens it skipped) — but
+            // only while a tree could pay at an optimistic acceptance (`plan.probe`).
             _ if plan.mode == "auto"
+                && plan.probe
                 && plan.shape(room).len() == 1
                 && room >= 2
                 && stats.steps % (4 * every) == 4 * every - 1 =>

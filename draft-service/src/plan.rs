@@ -55,7 +55,29 @@ impl RankCounts {
         }
         p
     }
+
+    /// An optimistic acceptance vector: each p_r of [`estimate`](Self::estimate) raised by `z`
+    /// standard errors (prior pseudo-trials counted), so it tightens as verdicts accumulate.
+    pub fn upper_estimate(&self, prior: &[f64], z: f64) -> Vec<f64> {
+        let mut up: Vec<f64> = self
+            .estimate(prior)
+            .iter()
+            .enumerate()
+            .map(|(r, &p)| {
+                let n = self.trials.get(r).copied().unwrap_or(0) as f64 + PRIOR_TRIALS;
+                (p + z * (p * (1.0 - p) / n).sqrt()).min(1.0)
+            })
+            .collect();
+        let s: f64 = up.iter().sum();
+        if s > 1.0 {
+            up.iter_mut().for_each(|x| *x /= s);
+        }
+        up
+    }
 }
+
+/// Standard errors added to the acceptance estimate when deciding whether probing could pay.
+const PROBE_CONFIDENCE_Z: f64 = 2.0;
 
 /// The tree shapes of one plan: the DP solved for the chosen budget, so smaller trees are at
 /// hand when the context is nearly full.
@@ -66,6 +88,10 @@ pub struct ActivePlan {
     pub acceptance: Vec<f64>,
     pub prediction: Option<Prediction>,
     pub mode: &'static str,
+    /// Auto mode chose no speculation, but a tree would pay at an optimistic acceptance (upper
+    /// confidence bound): worth probing now and then to learn more. False once the data rule
+    /// it out, e.g. when verification costs grow so fast that no acceptance can pay.
+    pub probe: bool,
 }
 
 impl ActivePlan {
@@ -78,6 +104,7 @@ impl ActivePlan {
             acceptance: p.to_vec(),
             prediction: None,
             mode: "fixed",
+            probe: false,
         })
     }
 
@@ -295,6 +322,22 @@ impl Planner {
             .map_err(|e| e.to_string())?;
         let best = auto.best;
         let mut plan = ActivePlan::fixed(&p, best.nodes, best.levels).map_err(|e| e.to_string())?;
+        if best.nodes == 1 {
+            let optimistic = self
+                .counts(greedy)
+                .lock()
+                .unwrap()
+                .upper_estimate(&self.cfg.acceptance, PROBE_CONFIDENCE_Z);
+            let hope = choose(
+                &profile,
+                &optimistic,
+                self.cfg.nodes,
+                self.cfg.max_levels,
+                q,
+            )
+            .map_err(|e| e.to_string())?;
+            plan.probe = hope.best.nodes > 1;
+        }
         plan.prediction = Some(best);
         plan.mode = "auto";
         Ok(plan)
@@ -308,6 +351,22 @@ impl Planner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn upper_estimate_is_optimistic_and_tightens_with_data() {
+        let prior = [0.6, 0.1];
+        let mut c = RankCounts::default();
+        let gap = |c: &RankCounts| c.upper_estimate(&prior, 2.0)[0] - c.estimate(&prior)[0];
+        let before = gap(&c);
+        assert!(
+            before > 0.1,
+            "20 pseudo-trials leave a wide bound: {before}"
+        );
+        c.add(&[600, 50], &[1000, 600]);
+        let after = gap(&c);
+        assert!(after > 0.0 && after < before / 5.0, "{before} -> {after}");
+        assert!(c.upper_estimate(&prior, 2.0).iter().sum::<f64>() <= 1.0 + 1e-12);
+    }
 
     #[test]
     fn estimate_moves_from_prior_to_data() {
