@@ -319,17 +319,14 @@ impl Link {
         })
     }
 
-    /// Send one tree and wait for its verdict.
-    async fn verify(&mut self, tree: &VerifyTree, timeout: Duration) -> Result<Verdict, Status> {
+    /// Send one tree (numbered here, per session) and wait for its verdict.
+    async fn verify(&mut self, mut tree: VerifyTree, timeout: Duration) -> Result<Verdict, Status> {
         let step = self.next_step;
+        tree.step = step;
         let addr = self.addr().to_string();
-        let msg = VerifyTree {
-            step,
-            ..tree.clone()
-        };
         self.req_tx
             .send(SessionRequest {
-                msg: Some(session_request::Msg::Tree(msg)),
+                msg: Some(session_request::Msg::Tree(tree)),
             })
             .await
             .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))?;
@@ -403,6 +400,23 @@ async fn open_anywhere(
 
 fn short(s: &str) -> &str {
     &s[..s.len().min(12)]
+}
+
+/// The wire form of a drafted tree (its step number is set by the session it is sent on).
+fn tree_message(drafted: &DraftedTree) -> VerifyTree {
+    VerifyTree {
+        step: 0,
+        parents: drafted.tree.parents().to_vec(),
+        tokens: drafted.tokens.clone(),
+        draft_dists: drafted
+            .dists
+            .iter()
+            .map(|q| PbDist {
+                tokens: q.tokens.clone(),
+                probs: q.probs.clone(),
+            })
+            .collect(),
+    }
 }
 
 /// Seed of the verify side's random stream after the k-th move, so a moved session never
@@ -480,7 +494,6 @@ async fn generate(
     let mut generated: Vec<u32> = Vec::new();
     let mut stats = Stats::default();
     let mut finish = "length";
-    let mut step: u64 = 0;
     let t_gen = Instant::now();
     'steps: while generated.len() < prep.max_tokens {
         let room = context_limit.saturating_sub(draft.context_len());
@@ -529,22 +542,9 @@ async fn generate(
         let step_draft = t0.elapsed();
         stats.draft += step_draft;
 
-        let tree_msg = VerifyTree {
-            step,
-            parents: drafted.tree.parents().to_vec(),
-            tokens: drafted.tokens.clone(),
-            draft_dists: drafted
-                .dists
-                .iter()
-                .map(|q| PbDist {
-                    tokens: q.tokens.clone(),
-                    probs: q.probs.clone(),
-                })
-                .collect(),
-        };
         let (verdict, round_trip) = loop {
             let t_rt = Instant::now();
-            match link.verify(&tree_msg, step_timeout).await {
+            match link.verify(tree_message(&drafted), step_timeout).await {
                 Ok(v) => break (v, t_rt.elapsed()),
                 Err(e) if e.code() == Code::Unavailable && failovers < MAX_FAILOVERS => {
                     // The node died or drains: continue on another one from the committed
@@ -598,9 +598,8 @@ async fn generate(
             .map_err(|e| Status::internal(format!("verify node {}: {e}", link.addr())))?;
         stats.record(&drafted, &accepted, &verdict.accepted_ranks);
         stats.steps += 1;
-        step += 1;
         debug!(
-            step,
+            step = stats.steps,
             accepted = accepted.len(),
             nodes = drafted.tree.len(),
             "step"

@@ -374,7 +374,7 @@ impl NodePool {
         let start = self.next.fetch_add(1, Ordering::Relaxed);
         let _choosing = self.choosing.lock().unwrap_or_else(|e| e.into_inner());
         let best = (0..n)
-            .map(|i| &nodes[(start + i) % n.max(1)])
+            .map(|i| &nodes[(start + i) % n])
             .filter(|node| !exclude.contains(&node.addr))
             .min_by_key(|node| (!node.usable(), node.load()))?;
         best.active.fetch_add(1, Ordering::SeqCst);

@@ -51,10 +51,9 @@ pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
     Ok(Arc::new(VerifyState::new(model, tokenizer, config)))
 }
 
-/// Refuse new sessions, wait up to `drain_timeout_secs` for open ones, then tell the rest to
-/// move.
+/// With new sessions already refused (`draining`), wait up to `drain_timeout_secs` for the open
+/// ones, then tell the rest to move.
 async fn drain(state: &VerifyState) {
-    state.draining.store(true, Ordering::SeqCst);
     let open = state.active.load(Ordering::SeqCst);
     let timeout = std::time::Duration::from_secs_f64(state.config.drain_timeout_secs.max(0.0));
     tracing::info!(
@@ -78,8 +77,8 @@ async fn drain(state: &VerifyState) {
 
 /// Serve Verifier + health + reflection on `listener` until `shutdown` resolves; then drain:
 /// refuse new sessions, give open ones `drain_timeout_secs` to finish, end the rest so their
-/// draft nodes move them to other verify nodes, and return. TLS, mutual TLS, bearer tokens and the metrics
-/// endpoint follow the config (`tls_*`, `auth_*`, `metrics_listen`).
+/// draft nodes move them to other verify nodes, and return. TLS, mutual TLS, bearer tokens and
+/// the metrics endpoint follow the config (`tls_*`, `auth_*`, `metrics_listen`).
 pub async fn serve(
     state: Arc<VerifyState>,
     listener: TcpListener,
