@@ -21,7 +21,7 @@
 #   - concurrent-safe: one lock per model (flock), so parallel callers (e.g. tests) do not clash;
 #   - loud: any failed download, missing part or hash mismatch exits non-zero with a message.
 #
-# This script is also embedded in the `sequoia-shared` crate (models::ensure_model) and run with
+# This script is also embedded in the `sequoia-models` crate (models::ensure_model) and run with
 # `bash -c`, so it must not depend on its own location or on the current directory.
 set -euo pipefail
 

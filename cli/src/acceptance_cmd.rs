@@ -7,20 +7,21 @@
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use sequoia_shared::drafting::DraftSession;
-use sequoia_shared::engine::{LoadOptions, Model};
-use sequoia_shared::sampling::{SamplingParams, SessionRng, VERIFY_STREAM};
-use sequoia_shared::tokenizer::{ChatMessage, TextTokenizer};
-use sequoia_shared::tree::Tree;
-use sequoia_shared::verify::{verify_with_logits, Step};
+use sequoia_engine::drafting::DraftSession;
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_core::sampling::{SamplingParams, SessionRng, VERIFY_STREAM};
+use sequoia_core::stats::AcceptanceCounts;
+use sequoia_engine::tokenizer::{ChatMessage, TextTokenizer};
+use sequoia_core::tree::Tree;
+use sequoia_core::verify::{verify_with_logits, Step};
 use serde::Serialize;
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct MeasureArgs {
-    #[arg(long, default_value = sequoia_shared::models::QWEN_CODER_0_5B)]
+    #[arg(long, default_value = sequoia_models::QWEN_CODER_0_5B)]
     pub draft: String,
-    #[arg(long, default_value = sequoia_shared::models::QWEN_CODER_1_5B)]
+    #[arg(long, default_value = sequoia_models::QWEN_CODER_1_5B)]
     pub target: String,
     /// JSONL prompts with a `turns` list (Spec-Bench / MT-Bench format); the first turn is used.
     #[arg(long)]
@@ -83,7 +84,7 @@ fn spine(width: usize, depth: usize) -> Tree {
     }
     Tree::from_parents_limited(
         &parents,
-        sequoia_shared::tree::TreeLimits {
+        sequoia_core::tree::TreeLimits {
             max_nodes: usize::MAX,
             max_levels: usize::MAX,
         },
@@ -141,9 +142,8 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
     let tok = TextTokenizer::load_for_model(&target_path)?;
     let shape = spine(args.width, args.depth);
     let levels = args.depth + 1;
+    let mut counts = AcceptanceCounts::default();
     let mut rep = Report {
-        trials_by_depth: vec![vec![0; args.width]; levels],
-        accepted_by_depth: vec![vec![0; args.width]; levels],
         temperature: args.temperature,
         top_p: args.top_p,
         width: args.width,
@@ -183,21 +183,9 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
             keep.extend(&verdict.accepted);
             cache.keep_newest(tree.len(), &keep)?;
             ds.commit(&drafted, &verdict.accepted)?;
-            // Every verified node with c children is a trial for ranks 1..=c at its depth.
-            for (k, &v) in keep.iter().enumerate() {
-                let c = tree.children(v).len().min(args.width);
-                let d = tree.depth(v);
-                for r in 0..c {
-                    rep.trials_by_depth[d][r] += 1;
-                }
-                if let Some(&rank) = verdict.ranks.get(k) {
-                    rep.accepted_by_depth[d][rank - 1] += 1;
-                }
-            }
-            rep.steps += 1;
             let emitted = verdict.emitted(&drafted.tokens);
+            counts.record_step(tree, &verdict.accepted, verdict.ranks.iter().copied(), emitted.len());
             produced += emitted.len();
-            rep.tokens += emitted.len() as u64;
             root = verdict.next_token;
             if emitted.iter().any(|&t| tok.is_eos(t))
                 || cache.len() + shape.len() + 1 >= cache.capacity()
@@ -205,37 +193,24 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
                 break;
             }
         }
-        bar.set_message(format!(
-            "p1 so far {:.3}",
-            ratio(
-                rep.accepted_by_depth.iter().map(|a| a[0]).sum(),
-                rep.trials_by_depth.iter().map(|t| t[0]).sum()
-            )
-        ));
+        bar.set_message(format!("p1 so far {:.3}", counts.by_rank().rates(1)[0]));
         bar.inc(1);
     }
     bar.finish();
-    let total = |m: &Vec<Vec<u64>>, r: usize| m.iter().map(|row| row[r]).sum::<u64>();
-    rep.acceptance = (0..args.width)
-        .map(|r| {
-            ratio(
-                total(&rep.accepted_by_depth, r),
-                total(&rep.trials_by_depth, r),
-            )
-        })
-        .collect();
-    // Nodes where q had fewer than W tokens tried fewer ranks, which can push the sum over 1.
-    let sum: f64 = rep.acceptance.iter().sum();
-    if sum > 1.0 {
-        rep.acceptance.iter_mut().for_each(|p| *p /= sum);
-    }
-    rep.by_depth = rep
-        .accepted_by_depth
-        .iter()
-        .zip(&rep.trials_by_depth)
-        .map(|(a, t)| a.iter().zip(t).map(|(&a, &t)| ratio(a, t)).collect())
-        .collect();
-    rep.mean_tokens_per_step = rep.tokens as f64 / rep.steps.max(1) as f64;
+    // The spine has `width` ranks at each of `levels` depths; pad what was never reached.
+    let row = |d: usize| {
+        let mut r = counts.by_depth.get(d).cloned().unwrap_or_default();
+        r.accepted.resize(args.width, 0);
+        r.trials.resize(args.width, 0);
+        r
+    };
+    rep.accepted_by_depth = (0..levels).map(|d| row(d).accepted).collect();
+    rep.trials_by_depth = (0..levels).map(|d| row(d).trials).collect();
+    rep.by_depth = (0..levels).map(|d| row(d).rates(args.width)).collect();
+    rep.acceptance = counts.acceptance_vector(args.width);
+    rep.steps = counts.steps;
+    rep.tokens = counts.tokens;
+    rep.mean_tokens_per_step = counts.tokens_per_step();
     let json = serde_json::to_string_pretty(&rep)?;
     std::fs::write(&args.out, &json).with_context(|| format!("writing {}", args.out.display()))?;
     println!("acceptance (overall): {}", fmt(&rep.acceptance));
@@ -255,14 +230,6 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
         args.out.display()
     );
     Ok(())
-}
-
-fn ratio(a: u64, b: u64) -> f64 {
-    if b == 0 {
-        0.0
-    } else {
-        a as f64 / b as f64
-    }
 }
 
 fn fmt(v: &[f64]) -> String {

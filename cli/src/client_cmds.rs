@@ -4,13 +4,13 @@
 use anyhow::{bail, Context, Result};
 use sequoia_proto::v1::generation_client::GenerationClient;
 use sequoia_proto::v1::{GenerateRequest, GenerateSummary};
-use sequoia_shared::engine::{LoadOptions, Model};
-use sequoia_shared::models;
-use sequoia_shared::sampling::{
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_models as models;
+use sequoia_core::sampling::{
     argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
 };
-use sequoia_shared::security::{self, BearerToken, ClientSecurity};
-use sequoia_shared::tokenizer::{ChatMessage, TextTokenizer};
+use sequoia_server::security::{self, BearerToken, ClientSecurity};
+use sequoia_engine::tokenizer::{ChatMessage, TextTokenizer};
 use serde::Serialize;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -10,12 +10,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use sequoia_shared::engine::{LoadOptions, Model};
-use sequoia_shared::sampling::{
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_core::sampling::{
     argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
 };
-use sequoia_shared::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
-use sequoia_shared::tree::Tree;
+use sequoia_engine::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
+use sequoia_core::tree::Tree;
+use sequoia_core::types::FinishReason;
 use serde::Serialize;
 
 /// A model argument: a path (GGUF file or Hugging Face folder) or a default model's short name
@@ -25,8 +26,8 @@ pub fn resolve_model(arg: &str) -> Result<PathBuf> {
     if path.exists() {
         return Ok(path);
     }
-    if sequoia_shared::models::spec(arg).is_ok() {
-        return sequoia_shared::models::ensure_model(arg)
+    if sequoia_models::spec(arg).is_ok() {
+        return sequoia_models::ensure_model(arg)
             .with_context(|| format!("fetching model {arg}"));
     }
     bail!("model {arg:?} is neither an existing path nor a known model name")
@@ -109,7 +110,7 @@ struct GenerateReport {
     prompt_tokens: usize,
     generated_tokens: usize,
     /// "eos", "length" (max_tokens) or "context" (context limit reached).
-    finish_reason: &'static str,
+    finish_reason: FinishReason,
     prefill_ms: f64,
     /// Time of the single-token forwards after the first token.
     decode_ms: f64,
@@ -167,13 +168,13 @@ pub fn generate_local(args: &GenerateLocalArgs) -> Result<()> {
             stdout.flush()?;
         }
         if tok.is_eos(next) && !args.ignore_eos {
-            break "eos";
+            break FinishReason::Eos;
         }
         if out.len() >= args.max_tokens {
-            break "length";
+            break FinishReason::Length;
         }
         if cache.len() >= cache.capacity() {
-            break "context";
+            break FinishReason::Context;
         }
         logits = model.forward_chain_last(&mut cache, &[next])?;
         forwards += 1;
@@ -216,7 +217,7 @@ pub fn generate_local(args: &GenerateLocalArgs) -> Result<()> {
 
 /// Threads the engine's CPU kernels actually run on (rayon's global pool).
 fn rayon_threads() -> usize {
-    sequoia_shared::engine::current_threads()
+    sequoia_engine::current_threads()
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,7 +289,7 @@ fn bench_tree(kind: BenchTree, n: usize) -> Result<Tree> {
     Ok(match kind {
         BenchTree::Chain => Tree::chain(n),
         BenchTree::Sequoia => {
-            use sequoia_shared::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
+            use sequoia_core::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
             let levels = n.min(16);
             SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, n, levels)?.tree(n, levels)
         }

@@ -1,7 +1,7 @@
 //! `sequoia tree ...`: plan Sequoia trees from an acceptance vector and time the DP.
 
 use anyhow::{bail, Context, Result};
-use sequoia_shared::planner::{self, SequoiaDp};
+use sequoia_core::planner::{self, SequoiaDp};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -81,9 +81,9 @@ pub fn plan(args: &PlanArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&plan)?);
         return Ok(());
     }
-    let tree = sequoia_shared::tree::Tree::from_parents_limited(
+    let tree = sequoia_core::tree::Tree::from_parents_limited(
         &plan.parents,
-        sequoia_shared::tree::TreeLimits {
+        sequoia_core::tree::TreeLimits {
             max_nodes: usize::MAX,
             max_levels: usize::MAX,
         },
@@ -147,10 +147,10 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
 #[derive(clap::Args, Debug)]
 pub struct ProfileArgs {
     /// Draft model (path or default name).
-    #[arg(long, default_value = sequoia_shared::models::QWEN_CODER_0_5B)]
+    #[arg(long, default_value = sequoia_models::QWEN_CODER_0_5B)]
     pub draft: String,
     /// Target model (path or default name).
-    #[arg(long, default_value = sequoia_shared::models::QWEN_CODER_1_5B)]
+    #[arg(long, default_value = sequoia_models::QWEN_CODER_1_5B)]
     pub target: String,
     /// Context length to measure at.
     #[arg(long, default_value_t = 128)]
@@ -175,9 +175,9 @@ pub struct ProfileArgs {
 
 /// Measure t_v(n) and t_d(w) on this machine and write a planner profile.
 pub fn profile(args: &ProfileArgs) -> Result<()> {
-    use sequoia_shared::engine::{LoadOptions, Model};
-    use sequoia_shared::planner::cost::{CostCurve, NetworkProfile, Profile};
-    use sequoia_shared::profiling::{measure_draft, measure_verify, DEFAULT_SIZES};
+    use sequoia_engine::{LoadOptions, Model};
+    use sequoia_core::planner::cost::{CostCurve, NetworkProfile, Profile};
+    use sequoia_engine::profiling::{measure_draft, measure_verify, DEFAULT_SIZES};
     let opts = LoadOptions {
         threads: args.threads,
         ..LoadOptions::default()
@@ -213,7 +213,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
             "target {}, draft {}, threads {}",
             target_path.display(),
             draft_path.display(),
-            sequoia_shared::engine::current_threads()
+            sequoia_engine::current_threads()
         ),
     };
     let json = serde_json::to_string_pretty(&profile)?;
@@ -226,10 +226,10 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
 }
 
 /// Load and check a profile file.
-pub fn load_profile(path: &std::path::Path) -> Result<sequoia_shared::planner::cost::Profile> {
+pub fn load_profile(path: &std::path::Path) -> Result<sequoia_core::planner::cost::Profile> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    let p: sequoia_shared::planner::cost::Profile = serde_json::from_str(&text)
+    let p: sequoia_core::planner::cost::Profile = serde_json::from_str(&text)
         .with_context(|| format!("{} is not a planner profile", path.display()))?;
     p.validate()?;
     Ok(p)
@@ -237,7 +237,7 @@ pub fn load_profile(path: &std::path::Path) -> Result<sequoia_shared::planner::c
 
 /// `tree plan --profile`: the planner's choice from measured costs.
 pub fn plan_with_profile(args: &PlanArgs, path: &std::path::Path) -> Result<()> {
-    use sequoia_shared::planner::cost::choose;
+    use sequoia_core::planner::cost::choose;
     let p = load_acceptance(&args.acceptance, &args.acceptance_file)?;
     let profile = load_profile(path)?;
     let levels = args.max_depth.unwrap_or(16);
@@ -265,9 +265,9 @@ pub fn plan_with_profile(args: &PlanArgs, path: &std::path::Path) -> Result<()> 
             r.nodes, r.levels, r.expected_tokens, r.step_ms, r.speedup
         );
     }
-    let tree = sequoia_shared::tree::Tree::from_parents_limited(
+    let tree = sequoia_core::tree::Tree::from_parents_limited(
         &b.parents,
-        sequoia_shared::tree::TreeLimits {
+        sequoia_core::tree::TreeLimits {
             max_nodes: usize::MAX,
             max_levels: usize::MAX,
         },

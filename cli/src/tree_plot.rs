@@ -5,7 +5,7 @@
 use crate::bench_cmd::charts::{color, ensure_font, plot_err, FONT};
 use anyhow::{Context, Result};
 use plotters::prelude::*;
-use sequoia_shared::planner::cost::choose;
+use sequoia_core::planner::cost::choose;
 use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
@@ -88,7 +88,7 @@ pub fn plot(args: &PlotArgs) -> Result<()> {
         serde_json::from_str(&text).context("acceptance file is not JSON")?;
     let p = crate::tree_cmds::load_acceptance(&None, &Some(args.acceptance.clone()))?;
 
-    let curve = |c: &sequoia_shared::planner::cost::CostCurve| -> Vec<(f64, f64)> {
+    let curve = |c: &sequoia_core::planner::cost::CostCurve| -> Vec<(f64, f64)> {
         c.sizes
             .iter()
             .zip(&c.ms)
@@ -162,7 +162,7 @@ pub fn plot(args: &PlotArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sequoia_shared::planner::cost::{CostCurve, NetworkProfile, Profile};
+    use sequoia_core::planner::cost::{CostCurve, NetworkProfile, Profile};
 
     #[test]
     fn writes_three_pngs() {

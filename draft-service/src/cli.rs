@@ -41,9 +41,9 @@ struct Flags {
 pub fn main() -> anyhow::Result<()> {
     let flags = Flags::parse();
     let config: DraftConfig =
-        sequoia_shared::config::load(&DraftConfig::default(), flags.config.as_deref(), &flags)?;
+        sequoia_server::config::load(&DraftConfig::default(), flags.config.as_deref(), &flags)?;
     let listen = config.listen.clone();
-    sequoia_shared::process::run_server(&listen, config.log_json, |listener, shutdown| async move {
+    sequoia_server::process::run_server(&listen, config.log_json, |listener, shutdown| async move {
         let state = crate::load_state(config)?;
         crate::serve(state, listener, shutdown).await
     })

@@ -1,7 +1,7 @@
 //! draft-service settings (defaults < TOML file < `SEQUOIA_*` env < flags); every key is
 //! documented in deploy/config/draft-service.toml.
 
-use sequoia_shared::planner::EXAMPLE_ACCEPTANCE;
+use sequoia_core::planner::EXAMPLE_ACCEPTANCE;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -140,12 +140,12 @@ mod tests {
     fn example_config_matches_the_code() {
         let file =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/draft-service.toml");
-        let unknown = sequoia_shared::config::unknown_keys(&DraftConfig::default(), &file).unwrap();
+        let unknown = sequoia_server::config::unknown_keys(&DraftConfig::default(), &file).unwrap();
         assert!(
             unknown.is_empty(),
             "keys the service does not read: {unknown:?}"
         );
-        let c: DraftConfig = sequoia_shared::config::load(
+        let c: DraftConfig = sequoia_server::config::load(
             &DraftConfig::default(),
             Some(&file),
             &serde_json::json!({}),

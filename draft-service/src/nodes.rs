@@ -2,9 +2,11 @@
 //! Kubernetes headless Service, re-resolved periodically), whether they answer, how loaded they
 //! are, and the choice of a node for each new session.
 
+use sequoia_core::limits::MAX_MESSAGE_BYTES;
+use sequoia_core::planner::cost::NodeCosts;
 use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::{InfoRequest, InfoResponse};
-use sequoia_shared::security::{BearerToken, ClientSecurity};
+use sequoia_server::security::{BearerToken, ClientSecurity};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock, Weak};
 use std::time::Duration;
@@ -13,8 +15,6 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::Status;
 use tracing::{info, warn};
-
-pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
 
 /// A Verifier client that sends this node's bearer token (if any) with every call.
 pub type VerifyClient = VerifierClient<InterceptedService<Channel, BearerToken>>;
@@ -34,7 +34,7 @@ pub struct VerifyNode {
     /// The node said it is shutting down (no new sessions).
     draining: AtomicBool,
     /// Measured costs for the auto planner (profiled on first use).
-    pub costs: Mutex<Option<crate::plan::NodeCosts>>,
+    pub costs: Mutex<Option<NodeCosts>>,
 }
 
 impl VerifyNode {

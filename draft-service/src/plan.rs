@@ -1,80 +1,28 @@
 //! Which tree to draft: either a fixed Sequoia tree for a configured acceptance vector and
 //! budget, or (auto mode, the default) the tree the hardware- and network-aware planner
-//! (`sequoia_shared::planner::cost`) picks from measured costs: the verify node's t_v(n) from its
+//! (`sequoia_core::planner::cost`) picks from measured costs: the verify node's t_v(n) from its
 //! `Profile` RPC, the draft's own t_d(w), and RTT/bandwidth from `Ping`. The acceptance vector is
 //! a running estimate from verdicts (separately for greedy and sampled generations), and the
 //! plan is recomputed as it and the observed step times move.
 
 use crate::config::TreeConfig;
 use sequoia_proto::v1::{PingRequest, ProfileRequest, TreePlan};
-use sequoia_shared::engine::Model;
-use sequoia_shared::planner::cost::{choose, CostCurve, NetworkProfile, Prediction, Profile};
-use sequoia_shared::planner::{validate_acceptance, PlanError, SequoiaDp};
-use sequoia_shared::profiling;
-use sequoia_shared::tree::Tree;
+use sequoia_engine::Model;
+use sequoia_core::planner::cost::{
+    choose, CostCurve, NetworkProfile, NodeCosts, Prediction, Profile,
+};
+use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
+use sequoia_core::limits;
+use sequoia_core::stats::RankCounts;
+use sequoia_core::types::TreeMode;
+use sequoia_engine::profiling;
+use sequoia_core::tree::Tree;
 use std::sync::Mutex;
 use std::time::Instant;
 use tonic::Status;
 
 /// Weight of the configured acceptance vector in the running estimate, in pseudo-trials.
 const PRIOR_TRIALS: f64 = 20.0;
-
-/// Accepted/trial counts by rank (ALGORITHMS.md §6).
-#[derive(Debug, Clone, Default)]
-pub struct RankCounts {
-    pub accepted: Vec<u64>,
-    pub trials: Vec<u64>,
-}
-
-impl RankCounts {
-    pub fn add(&mut self, accepted: &[u64], trials: &[u64]) {
-        if self.trials.len() < trials.len() {
-            self.trials.resize(trials.len(), 0);
-            self.accepted.resize(trials.len(), 0);
-        }
-        for (i, &t) in trials.iter().enumerate() {
-            self.trials[i] += t;
-            self.accepted[i] += accepted.get(i).copied().unwrap_or(0);
-        }
-    }
-
-    /// Estimate p_r, shrunk towards `prior` when there are few trials; the result sums to ≤ 1.
-    pub fn estimate(&self, prior: &[f64]) -> Vec<f64> {
-        let mut p: Vec<f64> = prior
-            .iter()
-            .enumerate()
-            .map(|(r, &pr)| {
-                let acc = self.accepted.get(r).copied().unwrap_or(0) as f64;
-                let tri = self.trials.get(r).copied().unwrap_or(0) as f64;
-                (acc + PRIOR_TRIALS * pr) / (tri + PRIOR_TRIALS)
-            })
-            .collect();
-        let s: f64 = p.iter().sum();
-        if s > 1.0 {
-            p.iter_mut().for_each(|x| *x /= s);
-        }
-        p
-    }
-
-    /// An optimistic acceptance vector: each p_r of [`estimate`](Self::estimate) raised by `z`
-    /// standard errors (prior pseudo-trials counted), so it tightens as verdicts accumulate.
-    pub fn upper_estimate(&self, prior: &[f64], z: f64) -> Vec<f64> {
-        let mut up: Vec<f64> = self
-            .estimate(prior)
-            .iter()
-            .enumerate()
-            .map(|(r, &p)| {
-                let n = self.trials.get(r).copied().unwrap_or(0) as f64 + PRIOR_TRIALS;
-                (p + z * (p * (1.0 - p) / n).sqrt()).min(1.0)
-            })
-            .collect();
-        let s: f64 = up.iter().sum();
-        if s > 1.0 {
-            up.iter_mut().for_each(|x| *x /= s);
-        }
-        up
-    }
-}
 
 /// Standard errors added to the acceptance estimate when deciding whether probing could pay.
 const PROBE_CONFIDENCE_Z: f64 = 2.0;
@@ -87,7 +35,7 @@ pub struct ActivePlan {
     levels: usize,
     pub acceptance: Vec<f64>,
     pub prediction: Option<Prediction>,
-    pub mode: &'static str,
+    pub mode: TreeMode,
     /// Auto mode chose no speculation, but a tree would pay at an optimistic acceptance (upper
     /// confidence bound): worth probing now and then to learn more. False once the data rule
     /// it out, e.g. when verification costs grow so fast that no acceptance can pay.
@@ -95,6 +43,11 @@ pub struct ActivePlan {
 }
 
 impl ActivePlan {
+    /// Whether the auto planner made this plan (so probing applies).
+    pub fn is_auto(&self) -> bool {
+        self.mode == TreeMode::Auto
+    }
+
     fn fixed(p: &[f64], nodes: usize, levels: usize) -> Result<Self, PlanError> {
         let nodes = nodes.max(1);
         Ok(Self {
@@ -103,7 +56,7 @@ impl ActivePlan {
             levels: levels.max(1),
             acceptance: p.to_vec(),
             prediction: None,
-            mode: "fixed",
+            mode: TreeMode::Fixed,
             probe: false,
         })
     }
@@ -124,20 +77,13 @@ impl ActivePlan {
             nodes: t.len() as u32,
             levels: t.levels() as u32,
             expected_tokens_per_step: self.expected_tokens(),
-            mode: self.mode.into(),
+            mode: self.mode.as_str().into(),
             predicted_speedup: self.prediction.as_ref().map_or(0.0, |p| p.speedup),
             predicted_step_ms: self.prediction.as_ref().map_or(0.0, |p| p.step_ms),
             acceptance: self.acceptance.clone(),
             replans,
         }
     }
-}
-
-/// Measured costs of one verify node as seen from this draft node.
-#[derive(Debug, Clone)]
-pub struct NodeCosts {
-    pub verify: CostCurve,
-    pub network: NetworkProfile,
 }
 
 /// Observed/predicted ratios, smoothed, so the plan follows drift in the real step times.
@@ -161,17 +107,20 @@ pub struct Planner {
 impl Planner {
     pub fn new(cfg: &TreeConfig, wire_top_k: usize) -> Result<Self, String> {
         validate_acceptance(&cfg.acceptance).map_err(|e| format!("tree.acceptance: {e}"))?;
-        let auto = match cfg.mode.as_str() {
-            "auto" => true,
-            "fixed" => false,
-            m => {
-                return Err(format!(
-                    "tree.mode must be \"auto\" or \"fixed\", got {m:?}"
-                ))
-            }
-        };
-        if cfg.nodes == 0 || cfg.nodes > 512 {
-            return Err(format!("tree.nodes must be in 1..=512, got {}", cfg.nodes));
+        let auto = cfg.mode.parse::<TreeMode>()? == TreeMode::Auto;
+        if cfg.nodes == 0 || cfg.nodes > limits::MAX_TREE_NODES {
+            return Err(format!(
+                "tree.nodes must be in 1..={}, got {}",
+                limits::MAX_TREE_NODES,
+                cfg.nodes
+            ));
+        }
+        if cfg.max_levels == 0 || cfg.max_levels > limits::MAX_TREE_LEVELS {
+            return Err(format!(
+                "tree.max_levels must be in 1..={}, got {}",
+                limits::MAX_TREE_LEVELS,
+                cfg.max_levels
+            ));
         }
         Ok(Self {
             cfg: cfg.clone(),
@@ -269,8 +218,8 @@ impl Planner {
     }
 
     /// Fold a finished (or ongoing) generation's verdict statistics into the running estimate.
-    pub fn observe_acceptance(&self, greedy: bool, accepted: &[u64], trials: &[u64]) {
-        self.counts(greedy).lock().unwrap().add(accepted, trials);
+    pub fn observe_acceptance(&self, greedy: bool, counts: &RankCounts) {
+        self.counts(greedy).lock().unwrap().add(counts);
     }
 
     /// Fold observed step times into the drift factors (exponential smoothing).
@@ -293,7 +242,7 @@ impl Planner {
             .counts(greedy)
             .lock()
             .unwrap()
-            .estimate(&self.cfg.acceptance);
+            .estimate(&self.cfg.acceptance, PRIOR_TRIALS);
         let (Some(costs), true) = (costs, self.auto) else {
             return ActivePlan::fixed(&self.cfg.acceptance, self.cfg.nodes, self.cfg.max_levels)
                 .map_err(|e| e.to_string());
@@ -327,7 +276,7 @@ impl Planner {
                 .counts(greedy)
                 .lock()
                 .unwrap()
-                .upper_estimate(&self.cfg.acceptance, PROBE_CONFIDENCE_Z);
+                .upper_estimate(&self.cfg.acceptance, PRIOR_TRIALS, PROBE_CONFIDENCE_Z);
             let hope = choose(
                 &profile,
                 &optimistic,
@@ -339,7 +288,7 @@ impl Planner {
             plan.probe = hope.best.nodes > 1;
         }
         plan.prediction = Some(best);
-        plan.mode = "auto";
+        plan.mode = TreeMode::Auto;
         Ok(plan)
     }
 
@@ -356,25 +305,25 @@ mod tests {
     fn upper_estimate_is_optimistic_and_tightens_with_data() {
         let prior = [0.6, 0.1];
         let mut c = RankCounts::default();
-        let gap = |c: &RankCounts| c.upper_estimate(&prior, 2.0)[0] - c.estimate(&prior)[0];
+        let gap = |c: &RankCounts| c.upper_estimate(&prior, PRIOR_TRIALS, 2.0)[0] - c.estimate(&prior, PRIOR_TRIALS)[0];
         let before = gap(&c);
         assert!(
             before > 0.1,
             "20 pseudo-trials leave a wide bound: {before}"
         );
-        c.add(&[600, 50], &[1000, 600]);
+        c.add(&RankCounts::new(vec![600, 50], vec![1000, 600]));
         let after = gap(&c);
         assert!(after > 0.0 && after < before / 5.0, "{before} -> {after}");
-        assert!(c.upper_estimate(&prior, 2.0).iter().sum::<f64>() <= 1.0 + 1e-12);
+        assert!(c.upper_estimate(&prior, PRIOR_TRIALS, 2.0).iter().sum::<f64>() <= 1.0 + 1e-12);
     }
 
     #[test]
     fn estimate_moves_from_prior_to_data() {
         let prior = [0.5, 0.2];
         let mut c = RankCounts::default();
-        assert_eq!(c.estimate(&prior), vec![0.5, 0.2]);
-        c.add(&[90, 0], &[100, 10]);
-        let e = c.estimate(&prior);
+        assert_eq!(c.estimate(&prior, PRIOR_TRIALS), vec![0.5, 0.2]);
+        c.add(&RankCounts::new(vec![90, 0], vec![100, 10]));
+        let e = c.estimate(&prior, PRIOR_TRIALS);
         assert!((e[0] - (90.0 + 10.0) / 120.0).abs() < 1e-12);
         assert!(e[1] < 0.2);
         assert!(e.iter().sum::<f64>() <= 1.0 + 1e-12);

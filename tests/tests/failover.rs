@@ -7,7 +7,7 @@ use futures::future::join_all;
 use sequoia_proto::v1::generation_client::GenerationClient;
 use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::{GenerateChunk, InfoRequest};
-use sequoia_shared::metrics;
+use sequoia_server::metrics;
 use sequoia_tests::*;
 use std::collections::BTreeSet;
 

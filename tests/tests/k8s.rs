@@ -243,7 +243,7 @@ fn load_config<C: Serialize + DeserializeOwned + Default>(
             jail.set_env(k, v);
         }
         out = Some(
-            sequoia_shared::config::load(&C::default(), Some(&path), &serde_json::json!({}))
+            sequoia_server::config::load(&C::default(), Some(&path), &serde_json::json!({}))
                 .unwrap(),
         );
         Ok(())
@@ -392,7 +392,7 @@ fn check_service(r: &Rendered, s: &ServiceCheck<'_>, secret_keys: &mut BTreeSet<
         .expect("fetch initContainer");
     let cmd = init.command.clone().unwrap();
     assert_eq!(cmd[0], "fetch-models.sh");
-    let spec = sequoia_shared::models::spec(&cmd[2]).unwrap();
+    let spec = sequoia_models::spec(&cmd[2]).unwrap();
     assert_eq!(
         model.file_name().unwrap().to_str().unwrap(),
         spec.file_name,
@@ -618,7 +618,7 @@ fn check_overlay(overlay: &str, gpu: bool) {
     assert!(metrics.iter().any(|m| m
         .pods
         .as_ref()
-        .is_some_and(|p| p.metric.name == sequoia_shared::metrics::ACTIVE_SESSIONS)));
+        .is_some_and(|p| p.metric.name == sequoia_server::metrics::ACTIVE_SESSIONS)));
     assert!(metrics
         .iter()
         .any(|m| m.resource.as_ref().is_some_and(|r| r.name == "cpu")));
@@ -728,13 +728,13 @@ fn dockerfile_matches_the_manifests() {
     }
     assert!(text.contains("COPY scripts/fetch-models.sh /usr/local/bin/fetch-models.sh"));
     assert!(text.contains("USER 10001"));
-    let v: VerifyConfig = sequoia_shared::config::load(
+    let v: VerifyConfig = sequoia_server::config::load(
         &VerifyConfig::default(),
         Some(&repo().join("deploy/config/verify-service.toml")),
         &serde_json::json!({}),
     )
     .unwrap();
-    let d: DraftConfig = sequoia_shared::config::load(
+    let d: DraftConfig = sequoia_server::config::load(
         &DraftConfig::default(),
         Some(&repo().join("deploy/config/draft-service.toml")),
         &serde_json::json!({}),

@@ -1,6 +1,6 @@
 //! The Prometheus endpoints after a real generation through both services.
 
-use sequoia_shared::metrics::{self, ALL};
+use sequoia_server::metrics::{self, ALL};
 use sequoia_tests::*;
 use std::time::Duration;
 

@@ -2,9 +2,9 @@
 //! by `scripts/fetch-models.sh`; a fetch failure fails the test with the script's message).
 
 use sequoia_proto::v1::{ChatMessage, GenerateRequest};
-use sequoia_shared::engine::{LoadOptions, Model};
-use sequoia_shared::models::{ensure_model, QWEN_CODER_0_5B, QWEN_CODER_1_5B};
-use sequoia_shared::tokenizer::{ChatMessage as Msg, TextTokenizer};
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_models::{ensure_model, QWEN_CODER_0_5B, QWEN_CODER_1_5B};
+use sequoia_engine::tokenizer::{ChatMessage as Msg, TextTokenizer};
 use sequoia_tests::*;
 use std::path::Path;
 

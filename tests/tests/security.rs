@@ -1,7 +1,7 @@
 //! TLS, mutual TLS and bearer tokens end to end: in-process services on 127.0.0.1 with
 //! certificates made by the test (rcgen).
 
-use sequoia_shared::security::{client_tls, BearerToken, ClientSecurity};
+use sequoia_server::security::{client_tls, BearerToken, ClientSecurity};
 use sequoia_tests::*;
 use std::path::Path;
 use tonic::Code;

@@ -5,7 +5,7 @@ use sequoia_proto::v1::{
     session_request, session_response, OpenSession, SamplingConfig, SessionRequest, SparseDist,
     VerifyTree,
 };
-use sequoia_shared::sampling::SamplingParams;
+use sequoia_core::sampling::SamplingParams;
 use sequoia_tests::*;
 use tonic::Code;
 
@@ -109,7 +109,7 @@ fn sampled_output_follows_the_target_distribution() {
     };
     let prompt = "The quick brown fox";
     let (p1, p2) = target_first_two(&pair.target, prompt, &params);
-    let eos = sequoia_shared::tokenizer::TextTokenizer::load_for_model(&pair.target)
+    let eos = sequoia_engine::tokenizer::TextTokenizer::load_for_model(&pair.target)
         .unwrap()
         .eos_ids()[0];
     let rt = tokio::runtime::Runtime::new().unwrap();

@@ -44,9 +44,9 @@ struct Flags {
 pub fn main() -> anyhow::Result<()> {
     let flags = Flags::parse();
     let config: VerifyConfig =
-        sequoia_shared::config::load(&VerifyConfig::default(), flags.config.as_deref(), &flags)?;
+        sequoia_server::config::load(&VerifyConfig::default(), flags.config.as_deref(), &flags)?;
     let listen = config.listen.clone();
-    sequoia_shared::process::run_server(&listen, config.log_json, |listener, shutdown| async move {
+    sequoia_server::process::run_server(&listen, config.log_json, |listener, shutdown| async move {
         let state = crate::load_state(config)?;
         crate::serve(state, listener, shutdown).await
     })

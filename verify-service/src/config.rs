@@ -1,6 +1,7 @@
 //! verify-service settings (defaults < TOML file < `SEQUOIA_*` env < flags); every key is
 //! documented in deploy/config/verify-service.toml.
 
+use sequoia_core::limits;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -56,9 +57,9 @@ impl Default for VerifyConfig {
             max_context: 4096,
             max_sessions: 16,
             drain_timeout_secs: 10.0,
-            max_tree_nodes: 512,
-            max_tree_levels: 32,
-            max_dist_entries: 1024,
+            max_tree_nodes: limits::MAX_TREE_NODES,
+            max_tree_levels: limits::MAX_TREE_LEVELS,
+            max_dist_entries: limits::MAX_DIST_ENTRIES,
             log_json: false,
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),
@@ -81,12 +82,12 @@ mod tests {
         let file =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/config/verify-service.toml");
         let unknown =
-            sequoia_shared::config::unknown_keys(&VerifyConfig::default(), &file).unwrap();
+            sequoia_server::config::unknown_keys(&VerifyConfig::default(), &file).unwrap();
         assert!(
             unknown.is_empty(),
             "keys the service does not read: {unknown:?}"
         );
-        let c: VerifyConfig = sequoia_shared::config::load(
+        let c: VerifyConfig = sequoia_server::config::load(
             &VerifyConfig::default(),
             Some(&file),
             &serde_json::json!({}),

@@ -2,7 +2,7 @@
 //!
 //! Each `Verifier.Session` stream is one generation: the node prefills the prompt into a KV
 //! cache of its own, then for every tree runs one tree-masked forward, applies the exact
-//! verification rule (`sequoia_shared::verify`) and compacts the cache to the accepted path.
+//! verification rule (`sequoia_core::verify`) and compacts the cache to the accepted path.
 //! The cache lives exactly as long as the stream. `Info` and `Profile` let draft nodes check
 //! tokenizer compatibility and measure verify cost for the planner.
 //!
@@ -18,19 +18,18 @@ pub mod session;
 use anyhow::Context;
 use config::VerifyConfig;
 use sequoia_proto::v1::verifier_server::VerifierServer;
-use sequoia_shared::engine::{LoadOptions, Model};
-use sequoia_shared::security;
-use sequoia_shared::tokenizer::TextTokenizer;
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_server::security;
+use sequoia_engine::tokenizer::TextTokenizer;
 use service::{VerifierService, VerifyState};
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use tokio::net::TcpListener;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 
-/// Largest gRPC message accepted (a 1024-node tree with 1024-entry q's is ~8 MB).
-pub const MAX_MESSAGE_BYTES: usize = 32 << 20;
+/// Largest gRPC message accepted (shared with the draft side).
+pub use sequoia_core::limits::MAX_MESSAGE_BYTES;
 
 /// Load the target model and its tokenizer as configured.
 pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
@@ -54,7 +53,7 @@ pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
 /// With new sessions already refused (`draining`), wait up to `drain_timeout_secs` for the open
 /// ones, then tell the rest to move.
 async fn drain(state: &VerifyState) {
-    let open = state.active.load(Ordering::SeqCst);
+    let open = state.admission.active();
     let timeout = std::time::Duration::from_secs_f64(state.config.drain_timeout_secs.max(0.0));
     tracing::info!(
         open,
@@ -62,10 +61,10 @@ async fn drain(state: &VerifyState) {
         "shutting down: no new sessions; open sessions may finish"
     );
     let deadline = tokio::time::Instant::now() + timeout;
-    while state.active.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+    while state.admission.active() > 0 && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    let left = state.active.load(Ordering::SeqCst);
+    let left = state.admission.active();
     if left > 0 {
         tracing::info!(
             sessions = left,
@@ -107,7 +106,7 @@ pub async fn serve(
     let drain_state = state.clone();
     let shutdown = async move {
         shutdown.await;
-        drain_state.draining.store(true, Ordering::SeqCst);
+        drain_state.admission.start_draining();
         reporter
             .set_not_serving::<VerifierServer<VerifierService>>()
             .await;

@@ -7,13 +7,13 @@ use sequoia_proto::v1::verifier_server::Verifier;
 use sequoia_proto::v1::{
     session_request, session_response, InfoRequest, InfoResponse, PingRequest, PingResponse,
     ProfileRequest, ProfileResponse, SessionOpened, SessionRequest, SessionResponse,
-    Verdict as PbVerdict,
 };
-use sequoia_shared::engine::Model;
-use sequoia_shared::metrics::Metrics;
-use sequoia_shared::sampling::{SamplingParams, SparseDist};
-use sequoia_shared::tokenizer::TextTokenizer;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use sequoia_engine::tokenizer::TextTokenizer;
+use sequoia_engine::Model;
+use sequoia_server::admission::{Admission, Permit, Refused};
+use sequoia_server::metrics::Metrics;
+use sequoia_server::wire;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -26,9 +26,8 @@ pub struct VerifyState {
     pub model: Arc<Model>,
     pub tokenizer: Arc<TextTokenizer>,
     pub config: VerifyConfig,
-    pub active: AtomicUsize,
-    /// Set on shutdown: no new sessions.
-    pub draining: AtomicBool,
+    /// Session slots (`max_sessions`); refuses new sessions once draining.
+    pub admission: Arc<Admission>,
     /// Set when the drain timeout has passed: open sessions end at once (UNAVAILABLE) so their
     /// draft nodes move them elsewhere.
     pub moving: tokio::sync::watch::Sender<bool>,
@@ -39,13 +38,13 @@ pub struct VerifyState {
 
 impl VerifyState {
     pub fn new(model: Model, tokenizer: TextTokenizer, config: VerifyConfig) -> Self {
+        let metrics = Metrics::for_listen("verify-service", &config.metrics_listen);
         Self {
-            metrics: Metrics::for_listen("verify-service", &config.metrics_listen),
+            admission: Admission::new(config.max_sessions, metrics.clone()),
+            metrics,
             model: Arc::new(model),
             tokenizer: Arc::new(tokenizer),
             config,
-            active: AtomicUsize::new(0),
-            draining: AtomicBool::new(false),
             moving: tokio::sync::watch::Sender::new(false),
             next_session: AtomicUsize::new(0),
         }
@@ -61,39 +60,15 @@ impl VerifyState {
     }
 }
 
-/// Holds one of the node's session slots; released on drop (stream end, error or disconnect).
-struct Slot(Arc<VerifyState>);
-
-impl Slot {
-    fn acquire(state: &Arc<VerifyState>) -> Result<Self, Status> {
-        if state.draining.load(Ordering::SeqCst) {
-            return Err(Status::unavailable(
-                "verify node is shutting down; use another node",
-            ));
-        }
-        let max = state.config.max_sessions;
-        let taken = state
-            .active
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-                (n < max).then_some(n + 1)
-            });
-        match taken {
-            Ok(_) => {
-                state.metrics.session_started();
-                Ok(Slot(state.clone()))
-            }
-            Err(n) => Err(Status::resource_exhausted(format!(
-                "verify node is at its session limit ({n} of {max} active); retry later or use another node"
-            ))),
-        }
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::SeqCst);
-        self.0.metrics.session_ended();
-    }
+/// Take one of the node's session slots (released when the permit drops: stream end, error or
+/// disconnect).
+fn admit(state: &VerifyState) -> Result<Permit, Status> {
+    state.admission.try_acquire().map_err(|r| match r {
+        Refused::Draining => Status::unavailable("verify node is shutting down; use another node"),
+        Refused::Full { active, max } => Status::resource_exhausted(format!(
+            "verify node is at its session limit ({active} of {max} active); retry later or use another node"
+        )),
+    })
 }
 
 #[derive(Clone)]
@@ -137,16 +112,7 @@ async fn run_session(
             "the first message of a session must be `open` (prompt tokens, sampling, seed)",
         ));
     };
-    let sampling = open.sampling.unwrap_or_default();
-    let params = SamplingParams {
-        temperature: sampling.temperature,
-        top_k: sampling.top_k as usize,
-        top_p: if sampling.top_p <= 0.0 {
-            1.0
-        } else {
-            sampling.top_p
-        },
-    };
+    let params = wire::sampling_from_config(open.sampling);
     let (model, limits) = (state.model.clone(), state.limits());
     let prefix = open.prefix_tokens;
     let max_new = open.max_new_tokens as usize;
@@ -157,7 +123,7 @@ async fn run_session(
     let opened = SessionOpened {
         context_limit: session.context_limit() as u32,
         prefill_ms,
-        active_sessions: state.active.load(Ordering::SeqCst) as u32,
+        active_sessions: state.admission.active() as u32,
     };
     if tx
         .send(Ok(SessionResponse {
@@ -184,14 +150,7 @@ async fn run_session(
                 "after `open`, every message must be a `tree`",
             ));
         };
-        let dists: Vec<SparseDist> = tree
-            .draft_dists
-            .into_iter()
-            .map(|d| SparseDist {
-                tokens: d.tokens,
-                probs: d.probs,
-            })
-            .collect();
+        let dists = wire::dists_from_wire(tree.draft_dists);
         let model = state.model.clone();
         let span = info_span!("verify_step", step = tree.step, nodes = tree.parents.len());
         let (back, result) = blocking(move || {
@@ -207,13 +166,7 @@ async fn run_session(
             r.verdict.ranks.iter().copied(),
             Duration::from_secs_f64(r.verify_ms / 1e3),
         );
-        let verdict = PbVerdict {
-            step: r.step,
-            accepted_nodes: r.verdict.accepted.iter().map(|&i| i as u32).collect(),
-            next_token: r.verdict.next_token,
-            accepted_ranks: r.verdict.ranks.iter().map(|&i| i as u32).collect(),
-            verify_ms: r.verify_ms,
-        };
+        let verdict = wire::verdict_message(r.step, &r.verdict, r.verify_ms);
         if tx
             .send(Ok(SessionResponse {
                 msg: Some(session_response::Msg::Verdict(verdict)),
@@ -243,7 +196,7 @@ impl Verifier for VerifierService {
         request: Request<Streaming<SessionRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         self.state.metrics.request();
-        let slot = Slot::acquire(&self.state)?;
+        let slot = admit(&self.state)?;
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         let state = self.state.clone();
@@ -275,10 +228,10 @@ impl Verifier for VerifierService {
             tokenizer_fingerprint: s.tokenizer.fingerprint().to_string(),
             eos_token_ids: s.tokenizer.eos_ids().to_vec(),
             max_context: s.config.max_context.min(mi.max_context) as u32,
-            active_sessions: s.active.load(Ordering::SeqCst) as u32,
+            active_sessions: s.admission.active() as u32,
             max_sessions: s.config.max_sessions as u32,
             max_tree_nodes: s.config.max_tree_nodes as u32,
-            draining: s.draining.load(Ordering::SeqCst),
+            draining: s.admission.is_draining(),
         }))
     }
 
@@ -324,11 +277,11 @@ impl Verifier for VerifierService {
             )));
         }
         let repeats = req.repeats.clamp(1, 20) as usize;
-        let _slot = Slot::acquire(&self.state)?;
+        let _slot = admit(&self.state)?;
         let model = s.model.clone();
         let sizes = req.tree_sizes.clone();
         let times = blocking(move || {
-            sequoia_shared::profiling::measure_verify(&model, &sizes, ctx, repeats)
+            sequoia_engine::profiling::measure_verify(&model, &sizes, ctx, repeats)
         })
         .await?
         .map_err(|e| Status::internal(e.to_string()))?;

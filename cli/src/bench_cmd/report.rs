@@ -11,6 +11,7 @@ use super::{
     RunRecord,
 };
 use anyhow::Result;
+use sequoia_core::stats::RankCounts;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -31,8 +32,7 @@ struct Acc {
     verify_ms: f64,
     network_ms: f64,
     nodes: f64,
-    accepted: Vec<u64>,
-    trials: Vec<u64>,
+    counts: RankCounts,
     greedy_same: usize,
     greedy_compared: usize,
 }
@@ -47,8 +47,10 @@ impl Acc {
         self.verify_ms += r.verify_ms;
         self.network_ms += r.network_ms;
         self.nodes += r.nodes as f64;
-        super::add_counts(&mut self.accepted, &r.accepted_by_rank);
-        super::add_counts(&mut self.trials, &r.trials_by_rank);
+        self.counts.add(&RankCounts::new(
+            r.accepted_by_rank.clone(),
+            r.trials_by_rank.clone(),
+        ));
     }
 }
 
@@ -97,7 +99,7 @@ impl Cell {
                 0.0
             }
         };
-        let trials_known = a.trials.iter().any(|&t| t > 0);
+
         Cell {
             temperature: t,
             method: method.to_string(),
@@ -118,14 +120,10 @@ impl Cell {
             } else {
                 0.0
             },
-            acceptance: if trials_known {
-                a.trials
-                    .iter()
-                    .enumerate()
-                    .map(|(r, &t)| rate(a.accepted.get(r).copied().unwrap_or(0), t))
-                    .collect()
-            } else {
+            acceptance: if a.counts.is_empty() {
                 vec![]
+            } else {
+                a.counts.rates(a.counts.trials.len())
             },
             draft_ms_per_token: per_tok(a.draft_ms),
             network_ms_per_token: per_tok(a.network_ms),

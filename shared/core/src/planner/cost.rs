@@ -80,6 +80,14 @@ pub struct NetworkProfile {
     pub bytes_per_ms: f64,
 }
 
+/// Measured costs of one verify node as seen from one draft node: its t_v(n) curve and the
+/// network between them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeCosts {
+    pub verify: CostCurve,
+    pub network: NetworkProfile,
+}
+
 /// Everything the planner needs to know about the hardware: saved, loaded and shown as JSON.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Profile {
@@ -200,8 +208,8 @@ pub fn choose(
     q_entries: usize,
 ) -> Result<AutoPlan, PlanError> {
     validate_acceptance(p)?;
-    let max_nodes = max_nodes.clamp(1, 1024);
-    let max_levels = max_levels.clamp(1, 64);
+    let max_nodes = max_nodes.clamp(1, crate::limits::MAX_PLANNED_NODES);
+    let max_levels = max_levels.clamp(1, crate::limits::MAX_TREE_LEVELS);
     let dp = SequoiaDp::solve(p, max_nodes, max_levels)?;
     let mut by_size: Vec<Prediction> = Vec::with_capacity(max_nodes);
     for n in 1..=max_nodes {

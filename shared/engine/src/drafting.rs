@@ -3,12 +3,12 @@
 //! networking: draft-service runs it against remote verify nodes, `sequoia tree
 //! measure-acceptance` against a local target.
 
-use crate::engine::{EngineError, KvCache, Model};
-use crate::sampling::{
+use crate::{EngineError, KvCache, Model};
+use sequoia_core::sampling::{
     greedy_top_k, probs_from_logits, sample_without_replacement, SamplingParams, SessionRng,
     SparseDist, DRAFT_STREAM,
 };
-use crate::tree::{Tree, TreeLimits};
+use sequoia_core::tree::{Tree, TreeLimits};
 
 /// A drafted tree ready to send: shape, tokens, and q for every expanded node (empty at T = 0).
 #[derive(Debug, Clone)]

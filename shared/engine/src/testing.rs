@@ -12,7 +12,7 @@
 //! acceptance rates in integration tests; `noise` 0.0 gives an exact copy).
 //!
 //! ```no_run
-//! use sequoia_shared::engine::testing::{write_tiny_model, TinyArch, TinySpec};
+//! use sequoia_engine::testing::{write_tiny_model, TinyArch, TinySpec};
 //! let dir = tempfile::tempdir().unwrap();
 //! let target = TinySpec { arch: TinyArch::Qwen2, seed: 1, ..TinySpec::default() };
 //! let draft = TinySpec { seed: 2, perturb_of: Some(1), noise: 0.2, ..target.clone() };

@@ -1,4 +1,13 @@
-//! The model engine: a llama-family decoder (Llama, Qwen2) that can verify a token tree.
+//! `sequoia-engine`: the model side of Sequoia — a llama-family decoder (Llama, Qwen2) that can
+//! verify a token tree, its quantized CPU kernels and KV caches, tokenizers and chat templates,
+//! tree drafting with a draft model ([`drafting`]) and cost profiling for the planner
+//! ([`profiling`]).
+//!
+//! Depends on `sequoia-core` (trees, sampling) and candle; **must not depend on** tonic, tokio,
+//! axum or the services. Unit tests live beside the code; `tests/engine_tree.rs` checks tree
+//! attention against sequential decoding on tiny models, `tests/engine_real.rs` and
+//! `tests/tokenizer_real_models.rs` on the real default models (fetched on first use).
+//!
 //!
 //! Why not candle-transformers' stock models: they assume one causal chain (consecutive
 //! positions, a fixed triangular mask), return only the last token's logits and keep a KV cache
@@ -38,10 +47,14 @@
 
 mod attention;
 pub mod cache;
+pub mod drafting;
+mod layers;
 pub mod model;
+pub mod profiling;
 mod qkernels;
 mod qmatmul;
 pub mod testing;
+pub mod tokenizer;
 mod weights;
 
 use std::sync::OnceLock;

@@ -3,9 +3,9 @@
 //! working context length (median of repeats). The verify node runs the first (`Profile` RPC),
 //! the draft node the second; `sequoia tree profile` runs both locally.
 
-use crate::engine::{EngineError, Model};
-use crate::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
-use crate::tree::Tree;
+use crate::{EngineError, Model};
+use sequoia_core::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
+use sequoia_core::tree::Tree;
 use std::time::Instant;
 
 /// Sizes measured by default (nodes per tree, or nodes per level).

@@ -20,7 +20,7 @@ use candle_core::quantized::{ggml_file, gguf_file, GgmlDType, QMatMul};
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
-use super::model::{Embedding, Linear};
+use super::layers::{Embedding, Linear};
 use super::qmatmul;
 use super::EngineError;
 

@@ -2,9 +2,9 @@
 //! every tree node's logits must equal those of decoding its root-to-node path one token at a
 //! time, and a compacted cache must behave exactly like a fresh sequential run.
 
-use sequoia_shared::engine::testing::{write_tiny_model, TinyArch, TinySpec};
-use sequoia_shared::engine::{EngineError, LoadOptions, Model};
-use sequoia_shared::tree::Tree;
+use sequoia_engine::testing::{write_tiny_model, TinyArch, TinySpec};
+use sequoia_engine::{EngineError, LoadOptions, Model};
+use sequoia_core::tree::Tree;
 
 const TOL: f32 = 1e-4;
 
@@ -409,7 +409,7 @@ fn engine_tree_extend_level_by_level_matches_one_forward() {
 #[test]
 fn engine_tiny_model_works_with_the_tiny_tokenizer() {
     // One folder with both: what generate-local and the services load in end-to-end tests.
-    use sequoia_shared::tokenizer::{testing::write_tiny_tokenizer, TextTokenizer};
+    use sequoia_engine::tokenizer::{testing::write_tiny_tokenizer, TextTokenizer};
     let dir = tempfile::tempdir().unwrap();
     let path = write_tiny_model(dir.path(), &TinySpec::default()).unwrap();
     write_tiny_tokenizer(&path).unwrap();
@@ -420,7 +420,7 @@ fn engine_tiny_model_works_with_the_tiny_tokenizer() {
     let mut cache = model.new_cache();
     let mut logits = model.forward_chain_last(&mut cache, &ids).unwrap();
     for _ in 0..5 {
-        let next = sequoia_shared::sampling::argmax(&logits);
+        let next = sequoia_core::sampling::argmax(&logits);
         logits = model.forward_chain_last(&mut cache, &[next]).unwrap();
     }
     assert_eq!(cache.len(), ids.len() + 5);

@@ -17,16 +17,15 @@
 //! repeated per head.
 
 use std::path::Path;
-use std::sync::Arc;
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
 use super::cache::KvCache;
-use super::qmatmul::{QKernel, QMatMulOp};
+use super::layers::{Embedding, Linear};
 use super::weights::{rope_inv_freqs, HParams, Loader, W};
 use super::{init_threads, EngineError, LoadOptions, Logits};
-use crate::tree::Tree;
+use sequoia_core::tree::Tree;
 
 /// Longest chunk of a sequential prefill in one forward (bounds the attention score matrix).
 const PREFILL_CHUNK: usize = 512;
@@ -53,68 +52,6 @@ pub struct ModelInfo {
     pub weights: String,
     /// "cpu" or "cuda".
     pub device: String,
-}
-
-/// A projection `y = x · Wᵀ`.
-#[derive(Debug, Clone)]
-pub(crate) enum Linear {
-    /// Quantized weights on the CPU, multiplied by our row-batched kernel.
-    CpuQuant(Arc<dyn QKernel>),
-    /// Quantized weights on a GPU (candle's kernels).
-    Quantized(candle_core::quantized::QMatMul),
-    /// Dense weights `(out, in)` in the compute dtype.
-    Dense(Tensor),
-}
-
-impl Linear {
-    /// `x`: `(rows, in)` → `(rows, out)`.
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        match self {
-            Linear::CpuQuant(k) => x.apply_op1_no_bwd(&QMatMulOp(k.as_ref())),
-            Linear::Quantized(q) => q.forward(x),
-            Linear::Dense(w) => x.matmul(&w.t()?),
-        }
-    }
-
-    fn out_features(&self) -> candle_core::Result<usize> {
-        Ok(match self {
-            Linear::CpuQuant(k) => k.out_features(),
-            Linear::Quantized(q) => match q {
-                candle_core::quantized::QMatMul::QTensor(t) => t.shape().dims2()?.0,
-                candle_core::quantized::QMatMul::Tensor(t)
-                | candle_core::quantized::QMatMul::TensorF16(t) => t.dims2()?.0,
-            },
-            Linear::Dense(w) => w.dims2()?.0,
-        })
-    }
-}
-
-/// Token embedding lookup.
-#[derive(Debug, Clone)]
-pub(crate) enum Embedding {
-    /// Quantized table on the CPU: only the looked-up rows are expanded.
-    CpuQuant(Arc<dyn QKernel>),
-    /// Dense `(vocab, hidden)` table.
-    Dense(Tensor),
-}
-
-impl Embedding {
-    fn forward(&self, tokens: &[u32], device: &Device) -> candle_core::Result<Tensor> {
-        match self {
-            Embedding::CpuQuant(k) => {
-                let h = k.in_features();
-                let mut out = vec![0f32; tokens.len() * h];
-                for (t, row) in tokens.iter().zip(out.chunks_exact_mut(h)) {
-                    k.dequantize_row(*t as usize, row);
-                }
-                Tensor::from_vec(out, (tokens.len(), h), device)
-            }
-            Embedding::Dense(w) => {
-                let ids = Tensor::new(tokens, device)?;
-                w.index_select(&ids, 0)
-            }
-        }
-    }
 }
 
 #[derive(Debug, Clone)]

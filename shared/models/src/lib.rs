@@ -60,7 +60,7 @@ pub const DEFAULT_MODELS: [ModelSpec; 3] = [
 ];
 
 /// `scripts/fetch-models.sh`, embedded so it can run from any working directory.
-pub const FETCH_SCRIPT: &str = include_str!("../../scripts/fetch-models.sh");
+pub const FETCH_SCRIPT: &str = include_str!("../../../scripts/fetch-models.sh");
 
 /// Why a model could not be located or fetched.
 #[derive(Debug, thiserror::Error)]

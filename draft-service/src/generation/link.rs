@@ -1,0 +1,306 @@
+//! The link between one generation and the verify side: a `Verifier.Session` stream on one
+//! verify node (open → tree → verdict → ...), and [`VerifyLink`], which follows the generation
+//! from node to node. When a node dies or drains mid-generation, the link re-opens the session
+//! on another node with the committed tokens (that node prefills them) and re-sends the tree
+//! it was verifying, so the caller sees one verdict per tree and no error.
+
+use crate::nodes::{unavailable, Reservation, VerifyNode};
+use crate::state::DraftState;
+use sequoia_core::limits::MAX_FAILOVERS;
+use sequoia_proto::v1::{
+    session_request, session_response, OpenSession, SamplingConfig, SessionOpened,
+    SessionRequest, SessionResponse, Verdict, VerifyTree,
+};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tonic::{Code, Status};
+
+/// One generation's verification session, wherever it currently lives.
+pub(super) struct VerifyLink {
+    link: Link,
+    sampling: SamplingConfig,
+    seed: u64,
+    failovers: u32,
+    /// The smallest context limit of the nodes this generation has used.
+    context_limit: usize,
+}
+
+impl VerifyLink {
+    /// Open the session on the best node that takes it. `prefix` is every committed token but
+    /// the newest (the first tree's root).
+    pub(super) async fn open(
+        state: &DraftState,
+        prefix: Vec<u32>,
+        sampling: SamplingConfig,
+        seed: u64,
+        max_new_tokens: usize,
+    ) -> Result<Self, Status> {
+        let open = OpenSession {
+            prefix_tokens: prefix,
+            sampling: Some(sampling),
+            seed,
+            max_new_tokens: max_new_tokens as u32,
+        };
+        let link = open_anywhere(state, &open, &mut Vec::new()).await?;
+        let context_limit = link.opened.context_limit as usize;
+        Ok(VerifyLink {
+            link,
+            sampling,
+            seed,
+            failovers: 0,
+            context_limit,
+        })
+    }
+
+    pub(super) fn node(&self) -> &Arc<VerifyNode> {
+        self.link.node()
+    }
+
+    pub(super) fn addr(&self) -> &str {
+        self.link.addr()
+    }
+
+    pub(super) fn failovers(&self) -> u32 {
+        self.failovers
+    }
+
+    pub(super) fn context_limit(&self) -> usize {
+        self.context_limit
+    }
+
+    /// Verify one tree (`message` builds its wire form, once per attempt) and return the
+    /// verdict with the round-trip time of the attempt that answered. If the node is lost, the
+    /// session moves to another node: `committed` are all committed tokens (prompt + generated;
+    /// the newest is the tree's root) and `remaining` the tokens still allowed.
+    pub(super) async fn verify(
+        &mut self,
+        state: &DraftState,
+        message: impl Fn() -> VerifyTree,
+        committed: impl Fn() -> Vec<u32>,
+        remaining: usize,
+    ) -> Result<(Verdict, Duration), Status> {
+        let timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
+        loop {
+            let t_rt = Instant::now();
+            match self.link.verify(message(), timeout).await {
+                Ok(v) => return Ok((v, t_rt.elapsed())),
+                Err(e) if e.code() == Code::Unavailable && self.failovers < MAX_FAILOVERS => {
+                    self.move_session(state, &e, &committed(), remaining).await?;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Continue on another node from the committed tokens after `error` on the current one.
+    async fn move_session(
+        &mut self,
+        state: &DraftState,
+        error: &Status,
+        committed: &[u32],
+        remaining: usize,
+    ) -> Result<(), Status> {
+        self.failovers += 1;
+        state.metrics.failover();
+        self.link.node().mark_unreachable();
+        let lost = self.addr().to_string();
+        tracing::warn!(node = %lost, error = error.message(), failovers = self.failovers, "verify node lost mid-generation; moving the session");
+        let moved = OpenSession {
+            prefix_tokens: committed[..committed.len().saturating_sub(1)].to_vec(),
+            sampling: Some(self.sampling),
+            seed: moved_seed(self.seed, self.failovers),
+            max_new_tokens: remaining as u32,
+        };
+        self.link = open_anywhere(state, &moved, &mut vec![lost.clone()])
+            .await
+            .map_err(|e2| {
+                Status::unavailable(format!(
+                    "verify node {lost} failed mid-generation ({}) and no other node could continue it: {}",
+                    error.message(),
+                    e2.message()
+                ))
+            })?;
+        self.context_limit = self.context_limit.min(self.link.opened.context_limit as usize);
+        tracing::info!(node = %self.addr(), "session moved");
+        Ok(())
+    }
+}
+
+/// Whether a failed verify call means "try another node" rather than "report it": the node is
+/// unreachable, drains, died mid-session, or is at its session limit.
+fn try_elsewhere(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::ResourceExhausted)
+}
+
+/// One open verification session on one verify node.
+struct Link {
+    reservation: Reservation,
+    req_tx: mpsc::Sender<SessionRequest>,
+    inbound: tonic::Streaming<SessionResponse>,
+    /// Step number of the next tree on this session (each session counts from 0).
+    next_step: u64,
+    opened: SessionOpened,
+}
+
+impl Link {
+    pub(super) fn node(&self) -> &Arc<VerifyNode> {
+        self.reservation.node()
+    }
+
+    pub(super) fn addr(&self) -> &str {
+        &self.node().addr
+    }
+
+    /// Open a session on the reserved node and wait until it has prefilled `open.prefix_tokens`.
+    async fn open(
+        reservation: Reservation,
+        open: OpenSession,
+        timeout: Duration,
+    ) -> Result<Link, Status> {
+        let node = reservation.node().clone();
+        let addr = node.addr.clone();
+        let (req_tx, req_rx) = mpsc::channel::<SessionRequest>(2);
+        req_tx
+            .send(SessionRequest {
+                msg: Some(session_request::Msg::Open(open)),
+            })
+            .await
+            .map_err(|_| Status::internal("session request channel closed"))?;
+        let mut client = node.client();
+        let mut inbound = tokio::time::timeout(
+            timeout,
+            client.session(tokio_stream::wrappers::ReceiverStream::new(req_rx)),
+        )
+        .await
+        .map_err(|_| {
+            Status::unavailable(format!(
+                "verify node {addr} did not answer within {timeout:?}"
+            ))
+        })?
+        .map_err(|s| unavailable(&addr, &s))?
+        .into_inner();
+        let Some(session_response::Msg::Opened(opened)) =
+            next_response(&mut inbound, &addr, timeout).await?
+        else {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered `open` with something else"
+            )));
+        };
+        node.set_reported(opened.active_sessions as usize);
+        Ok(Link {
+            reservation,
+            req_tx,
+            inbound,
+            next_step: 0,
+            opened,
+        })
+    }
+
+    /// Send one tree (numbered here, per session) and wait for its verdict.
+    pub(super) async fn verify(&mut self, mut tree: VerifyTree, timeout: Duration) -> Result<Verdict, Status> {
+        let step = self.next_step;
+        tree.step = step;
+        let addr = self.addr().to_string();
+        self.req_tx
+            .send(SessionRequest {
+                msg: Some(session_request::Msg::Tree(tree)),
+            })
+            .await
+            .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))?;
+        let Some(session_response::Msg::Verdict(verdict)) =
+            next_response(&mut self.inbound, &addr, timeout).await?
+        else {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered a tree with something else"
+            )));
+        };
+        if verdict.step != step {
+            return Err(Status::internal(format!(
+                "verify node {addr} answered step {} for step {step}",
+                verdict.step
+            )));
+        }
+        self.next_step += 1;
+        Ok(verdict)
+    }
+}
+
+/// Open a session on the best verify node that takes it, trying the others (not in `tried`)
+/// when one is unreachable, drains or is full. A node serving another tokenizer is an error.
+async fn open_anywhere(
+    state: &DraftState,
+    open: &OpenSession,
+    tried: &mut Vec<String>,
+) -> Result<Link, Status> {
+    let timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
+    let connect = Duration::from_secs_f64(state.config.connect_timeout_secs);
+    let mut last_err: Option<Status> = None;
+    while let Some(reservation) = state.pool.reserve(tried).await {
+        let node = reservation.node().clone();
+        tried.push(node.addr.clone());
+        let info = match node.info(connect).await {
+            Ok(info) => info,
+            Err(e) => {
+                last_err = Some(e);
+                continue;
+            }
+        };
+        if info.tokenizer_fingerprint != state.tokenizer.fingerprint() {
+            return Err(Status::failed_precondition(format!(
+                "verify node {} serves {:?}, whose tokenizer differs from the draft model {:?} (fingerprints {} vs {}); draft and target must share a tokenizer",
+                node.addr,
+                info.model_name,
+                state.model.info().name,
+                short(&info.tokenizer_fingerprint),
+                short(state.tokenizer.fingerprint())
+            )));
+        }
+        match Link::open(reservation, open.clone(), timeout).await {
+            Ok(link) => return Ok(link),
+            Err(e) if try_elsewhere(&e) => {
+                if e.code() == Code::Unavailable {
+                    node.mark_unreachable();
+                }
+                tracing::warn!(node = %node.addr, error = e.message(), "verify node did not take the session; trying another");
+                last_err = Some(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| {
+        Status::unavailable(format!(
+            "no verify node is available (configured: {}); check that verify-service runs and the names resolve",
+            state.pool.describe()
+        ))
+    }))
+}
+
+fn short(s: &str) -> &str {
+    &s[..s.len().min(12)]
+}
+
+
+/// Seed of the verify side's random stream after the k-th move, so a moved session never
+/// reuses the uniforms its earlier steps consumed.
+fn moved_seed(seed: u64, k: u32) -> u64 {
+    seed ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+
+async fn next_response(
+    inbound: &mut tonic::Streaming<sequoia_proto::v1::SessionResponse>,
+    addr: &str,
+    timeout: Duration,
+) -> Result<Option<session_response::Msg>, Status> {
+    match tokio::time::timeout(timeout, inbound.message()).await {
+        Err(_) => Err(Status::unavailable(format!(
+            "verify node {addr} did not answer within {timeout:?}"
+        ))),
+        Ok(Err(s)) => Err(unavailable(addr, &s)),
+        Ok(Ok(None)) => Err(Status::unavailable(format!(
+            "verify node {addr} ended the session unexpectedly"
+        ))),
+        Ok(Ok(Some(r))) => Ok(r.msg),
+    }
+}

@@ -1,0 +1,363 @@
+//! One `Generate` call end to end. Read it in this order:
+//!
+//! 1. [`request`]: the request checked and tokenized ([`prepare`]);
+//! 2. [`generate`] here: prefill the draft while the verify side prefills the target, then the
+//!    step loop — choose the tree shape ([`Generation::next_shape`]), draft it
+//!    ([`Generation::draft`]), verify it over the [`link`] (which moves the session to another
+//!    verify node if one dies), commit the accepted path ([`Generation::commit`]) and stream
+//!    the new text ([`text`]) — until EOS, a stop string, `max_tokens` or the context limit;
+//! 3. [`summary`]: the final chunk's statistics.
+
+mod link;
+mod request;
+mod summary;
+mod text;
+
+pub use request::{prepare, Prepared};
+
+use crate::nodes::{unavailable, VerifyNode};
+use crate::plan::ActivePlan;
+use crate::state::DraftState;
+use link::VerifyLink;
+use sequoia_core::planner::cost::NodeCosts;
+use sequoia_core::stats::{AcceptanceCounts, RankCounts};
+use sequoia_core::tree::Tree;
+use sequoia_core::types::FinishReason;
+use sequoia_engine::drafting::{DraftSession, DraftedTree};
+use sequoia_proto::v1::{GenerateChunk, Verdict};
+use sequoia_server::wire;
+use std::sync::Arc;
+use std::time::Instant;
+use summary::StepTimes;
+use text::TextOut;
+use tokio::sync::mpsc;
+use tonic::Status;
+use tracing::{debug, info_span, Instrument};
+
+pub type ChunkTx = mpsc::Sender<Result<GenerateChunk, Status>>;
+
+/// Run one generation, streaming chunks to `tx`. Errors are returned for the caller to send.
+pub async fn run(state: Arc<DraftState>, prep: Prepared, tx: &ChunkTx) -> Result<(), Status> {
+    let t_start = Instant::now();
+    generate(&state, prep, tx, t_start)
+        .instrument(info_span!("generate", node = tracing::field::Empty))
+        .await
+}
+
+/// What a step's committed tokens did to the generation.
+enum Delivered {
+    /// Keep going.
+    More,
+    /// The generation is complete.
+    Finished(FinishReason),
+    /// The client went away; dropping the link frees the session on the verify node.
+    ClientGone,
+}
+
+async fn generate(
+    state: &Arc<DraftState>,
+    prep: Prepared,
+    tx: &ChunkTx,
+    t_start: Instant,
+) -> Result<(), Status> {
+    let (mut g, mut draft) = Generation::start(state, &prep).await?;
+    let mut out = TextOut::new(&state.tokenizer, &prep.stop);
+    let t_gen = Instant::now();
+    let finish = loop {
+        if g.generated.len() >= prep.max_tokens {
+            break FinishReason::Length;
+        }
+        let room = g.context_limit().saturating_sub(draft.context_len());
+        if room == 0 {
+            break FinishReason::Context;
+        }
+        g.maybe_replan()?;
+        let shape = g.next_shape(room);
+        let (back, drafted) = g.draft(draft, &shape).await?;
+        draft = back;
+        let verdict = g.verify(&drafted, shape.len()).await?;
+        let emitted = g.commit(&mut draft, &drafted, &verdict)?;
+        match g.deliver(&emitted, &mut out, tx).await? {
+            Delivered::More => {}
+            Delivered::Finished(f) => break f,
+            Delivered::ClientGone => return Ok(()),
+        }
+    };
+    // Flush whatever text was held back for stop-string matching.
+    let tail = out.take_ready(true);
+    g.fold_acceptance();
+    let summary = g.summary(finish, t_start, t_gen.elapsed());
+    let _ = tx
+        .send(Ok(GenerateChunk {
+            text: tail,
+            token_ids: vec![],
+            summary: Some(summary),
+        }))
+        .await;
+    Ok(())
+}
+
+/// The state of one generation between steps.
+struct Generation<'a> {
+    state: &'a Arc<DraftState>,
+    prep: &'a Prepared,
+    link: VerifyLink,
+    /// The newest committed token: the next tree's root.
+    root: u32,
+    generated: Vec<u32>,
+    costs: Option<NodeCosts>,
+    plan: ActivePlan,
+    replans: u32,
+    counts: AcceptanceCounts,
+    /// Counts already folded into the planner's running estimate.
+    folded: RankCounts,
+    times: StepTimes,
+}
+
+impl<'a> Generation<'a> {
+    /// Prefill the draft model while the verify node prefills the target, and make the first
+    /// plan. The verify node holds every committed token but the newest (the root).
+    async fn start(
+        state: &'a Arc<DraftState>,
+        prep: &'a Prepared,
+    ) -> Result<(Generation<'a>, DraftSession), Status> {
+        let prompt = &prep.prompt_tokens;
+        let (prefix, root) = (prompt[..prompt.len() - 1].to_vec(), prompt[prompt.len() - 1]);
+        let model = state.model.clone();
+        let (params, seed, wire_k) = (prep.params, prep.seed, state.config.wire_top_k);
+        let t_prefill = Instant::now();
+        let draft_prefix = prefix.clone();
+        let draft_prefill = tokio::task::spawn_blocking(move || {
+            DraftSession::new(&model, &draft_prefix, params, seed, wire_k)
+        });
+        let sampling = wire::sampling_config(&prep.params);
+        let link = VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await?;
+        tracing::Span::current().record("node", link.addr());
+        let draft = draft_prefill
+            .await
+            .map_err(|e| Status::internal(format!("draft prefill task failed: {e}")))?
+            .map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+        let times = StepTimes {
+            prefill_ms: t_prefill.elapsed().as_secs_f64() * 1e3,
+            ..StepTimes::default()
+        };
+        let costs = node_costs(state, link.node()).await?;
+        let plan = plan(state, costs.as_ref(), prep.params.is_greedy())?;
+        let g = Generation {
+            state,
+            prep,
+            link,
+            root,
+            generated: Vec::new(),
+            costs,
+            plan,
+            replans: 0,
+            counts: AcceptanceCounts::default(),
+            folded: RankCounts::default(),
+            times,
+        };
+        Ok((g, draft))
+    }
+
+    fn context_limit(&self) -> usize {
+        self.state.context_limit().min(self.link.context_limit())
+    }
+
+    fn steps(&self) -> u32 {
+        self.counts.steps as u32
+    }
+
+    /// Every `replan_every` steps: fold the new verdicts into the estimate and plan again.
+    fn maybe_replan(&mut self) -> Result<(), Status> {
+        let steps = self.steps();
+        if steps > 0 && steps % self.state.planner.replan_every() == 0 {
+            self.fold_acceptance();
+            self.plan = plan(self.state, self.costs.as_ref(), self.prep.params.is_greedy())?;
+            self.replans += 1;
+        }
+        Ok(())
+    }
+
+    /// The tree to draft with `room` tokens of context left.
+    fn next_shape(&self, room: usize) -> Tree {
+        let every = self.state.planner.replan_every();
+        let steps = self.steps();
+        match &self.prep.forced_tree {
+            Some(t) if t.len() <= room => t.clone(),
+            // Auto mode without speculation would never see a verdict again: probe with a
+            // two-node chain once every four re-plan periods so the acceptance estimate keeps
+            // learning (a probe costs the draft's catch-up over the tokens it skipped) — but
+            // only while a tree could pay at an optimistic acceptance (`plan.probe`).
+            _ if self.plan.is_auto()
+                && self.plan.probe
+                && self.plan.shape(room).len() == 1
+                && room >= 2
+                && steps % (4 * every) == 4 * every - 1 =>
+            {
+                Tree::chain(2)
+            }
+            _ => self.plan.shape(room),
+        }
+    }
+
+    /// Grow the tree with the draft model (CPU-bound, so off the async workers).
+    async fn draft(
+        &mut self,
+        mut draft: DraftSession,
+        shape: &Tree,
+    ) -> Result<(DraftSession, DraftedTree), Status> {
+        let t0 = Instant::now();
+        let (model, root, shape) = (self.state.model.clone(), self.root, shape.clone());
+        let (back, drafted) = tokio::task::spawn_blocking(move || {
+            let r = draft.grow(&model, root, &shape);
+            (draft, r)
+        })
+        .await
+        .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
+        draft = back;
+        let drafted = drafted.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+        self.times.last_draft = t0.elapsed();
+        self.times.draft += self.times.last_draft;
+        Ok((draft, drafted))
+    }
+
+    /// Verify the drafted tree (on whichever node holds the session) and check the verdict.
+    async fn verify(&mut self, drafted: &DraftedTree, nodes: usize) -> Result<Verdict, Status> {
+        let committed = || {
+            let mut c = self.prep.prompt_tokens.clone();
+            c.extend_from_slice(&self.generated);
+            c
+        };
+        let remaining = self.prep.max_tokens - self.generated.len();
+        let message = || wire::tree_message(&drafted.tree, &drafted.tokens, &drafted.dists);
+        let (verdict, round_trip) = self
+            .link
+            .verify(self.state, message, committed, remaining)
+            .await?;
+        self.times.roundtrip += round_trip;
+        self.times.verify_ms += verdict.verify_ms;
+        // Only full-size trees are comparable with the plan's prediction.
+        if let (Some(pred), true) = (&self.plan.prediction, nodes == self.plan.shape(usize::MAX).len()) {
+            let draft_ms = self.times.last_draft.as_secs_f64() * 1e3;
+            self.state.planner.observe_times(pred, verdict.verify_ms, draft_ms);
+        }
+        if verdict.next_token as usize >= self.state.model.info().vocab_size {
+            return Err(Status::internal(format!(
+                "verify node {} sent token {} outside the vocabulary",
+                self.link.addr(),
+                verdict.next_token
+            )));
+        }
+        Ok(verdict)
+    }
+
+    /// Follow the verdict in the draft's cache and count it; returns the committed tokens
+    /// (accepted path, then the corrected/bonus token).
+    fn commit(
+        &mut self,
+        draft: &mut DraftSession,
+        drafted: &DraftedTree,
+        verdict: &Verdict,
+    ) -> Result<Vec<u32>, Status> {
+        let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
+        draft
+            .commit(drafted, &accepted)
+            .map_err(|e| Status::internal(format!("verify node {}: {e}", self.link.addr())))?;
+        let ranks = verdict.accepted_ranks.iter().map(|&r| r as usize);
+        self.counts
+            .record_step(&drafted.tree, &accepted, ranks, accepted.len() + 1);
+        debug!(step = self.steps(), accepted = accepted.len(), nodes = drafted.tree.len(), "step");
+        let mut emitted: Vec<u32> = accepted.iter().map(|&v| drafted.tokens[v]).collect();
+        emitted.push(verdict.next_token);
+        self.root = verdict.next_token;
+        Ok(emitted)
+    }
+
+    /// Append the committed tokens to the output (up to EOS, a stop string or `max_tokens`)
+    /// and send the new text.
+    async fn deliver(
+        &mut self,
+        emitted: &[u32],
+        out: &mut TextOut<'_>,
+        tx: &ChunkTx,
+    ) -> Result<Delivered, Status> {
+        let eos = self.state.tokenizer.eos_ids();
+        let mut chunk_ids = Vec::new();
+        let mut finished = None;
+        for &t in emitted {
+            if eos.contains(&t) {
+                finished = Some(FinishReason::Eos);
+                break;
+            }
+            self.generated.push(t);
+            chunk_ids.push(t);
+            if out.push(t)? {
+                finished = Some(FinishReason::Stop);
+                break;
+            }
+            if self.generated.len() >= self.prep.max_tokens {
+                finished = Some(FinishReason::Length);
+                break;
+            }
+        }
+        let text = out.take_ready(finished.is_some());
+        if !text.is_empty() || !chunk_ids.is_empty() {
+            let chunk = GenerateChunk {
+                text,
+                token_ids: chunk_ids,
+                summary: None,
+            };
+            if tx.send(Ok(chunk)).await.is_err() {
+                return Ok(Delivered::ClientGone);
+            }
+        }
+        Ok(finished.map_or(Delivered::More, Delivered::Finished))
+    }
+
+    /// Add the verdict statistics counted since the last fold to the planner's estimate.
+    fn fold_acceptance(&mut self) {
+        let now = self.counts.by_rank();
+        let new = now.since(&self.folded);
+        self.state
+            .planner
+            .observe_acceptance(self.prep.params.is_greedy(), &new);
+        self.folded = now;
+    }
+}
+
+/// The planner's plan for this node's costs.
+fn plan(state: &DraftState, costs: Option<&NodeCosts>, greedy: bool) -> Result<ActivePlan, Status> {
+    state
+        .planner
+        .plan(costs, greedy)
+        .map_err(|e| Status::internal(format!("tree planner: {e}")))
+}
+
+/// The node's measured costs for the auto planner, profiling it (and this node's draft cost)
+/// on first use. None in fixed mode.
+async fn node_costs(
+    state: &Arc<DraftState>,
+    node: &Arc<VerifyNode>,
+) -> Result<Option<NodeCosts>, Status> {
+    if !state.planner.is_auto() {
+        return Ok(None);
+    }
+    let mut slot = node.costs.lock().await;
+    if let Some(c) = slot.as_ref() {
+        return Ok(Some(c.clone()));
+    }
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || st.planner.measure_draft(&st.model))
+        .await
+        .map_err(|e| Status::internal(format!("draft profiling task failed: {e}")))?
+        .map_err(|e| Status::internal(format!("draft profiling failed: {e}")))?;
+    let costs = state
+        .planner
+        .measure_node(node.client())
+        .await
+        .map_err(|s| unavailable(&node.addr, &s))?;
+    tracing::info!(node = %node.addr, rtt_ms = costs.network.rtt_ms, verify_ms = ?costs.verify.ms, "profiled verify node");
+    *slot = Some(costs.clone());
+    Ok(Some(costs))
+}
+

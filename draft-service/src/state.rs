@@ -1,0 +1,101 @@
+//! What one draft node holds for all its generations: the draft model and tokenizer, the
+//! settings, the verify-node pool, the tree planner, metrics and the admission counter.
+
+use crate::config::DraftConfig;
+use crate::nodes::NodePool;
+use crate::plan::Planner;
+use anyhow::Context;
+use sequoia_engine::tokenizer::TextTokenizer;
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_server::admission::Admission;
+use sequoia_server::metrics::Metrics;
+use sequoia_server::security::{self, BearerToken, ClientSecurity};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Everything shared by the generations of one draft node.
+pub struct DraftState {
+    pub model: Arc<Model>,
+    pub tokenizer: Arc<TextTokenizer>,
+    pub config: DraftConfig,
+    pub pool: Arc<NodePool>,
+    pub planner: Planner,
+    /// Prometheus series (recording is a no-op when `metrics_listen` is empty).
+    pub metrics: Metrics,
+    /// Generation slots (`max_sessions`); refuses new generations once draining.
+    pub admission: Arc<Admission>,
+}
+
+impl DraftState {
+    /// Context limit of this node's draft caches.
+    pub fn context_limit(&self) -> usize {
+        self.config.max_context.min(self.model.info().max_context)
+    }
+}
+
+/// Load the draft model and tokenizer, solve the tree plan, set up the verify node pool.
+/// Call it inside a tokio runtime (the pool's channels connect lazily in the background).
+pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
+    if config.model.as_os_str().is_empty() {
+        anyhow::bail!(
+            "no draft model given: pass --model PATH (a .gguf file or a Hugging Face folder)"
+        );
+    }
+    let pool = NodePool::new(
+        &config.verify,
+        Duration::from_secs_f64(config.connect_timeout_secs),
+        &verify_security(&config)?,
+        !config.verify_tls_domain.is_empty(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    if !config.discovery_interval_secs.is_finite() || config.discovery_interval_secs < 0.0 {
+        anyhow::bail!(
+            "discovery_interval_secs must be ≥ 0 (0 = no periodic health checks), got {}",
+            config.discovery_interval_secs
+        );
+    }
+    let planner = Planner::new(&config.tree, config.wire_top_k).map_err(anyhow::Error::msg)?;
+    let opts = LoadOptions {
+        threads: (config.threads > 0).then_some(config.threads),
+        cuda: config.cuda,
+        max_context: config.max_context,
+    };
+    let model = Model::load(&config.model, &opts)
+        .with_context(|| format!("loading draft model {}", config.model.display()))?;
+    let tokenizer = TextTokenizer::load_for_model(&config.model)
+        .with_context(|| format!("loading tokenizer for {}", config.model.display()))?;
+    let metrics = Metrics::for_listen("draft-service", &config.metrics_listen);
+    Ok(Arc::new(DraftState {
+        admission: Admission::new(config.max_sessions, metrics.clone()),
+        metrics,
+        model: Arc::new(model),
+        tokenizer: Arc::new(tokenizer),
+        config,
+        pool: Arc::new(pool),
+        planner,
+    }))
+}
+
+/// How this node reaches verify nodes: TLS for `https://` URLs (a CA to trust, a client
+/// certificate for mutual TLS) and the bearer token it sends.
+fn verify_security(c: &DraftConfig) -> anyhow::Result<ClientSecurity> {
+    let tls_given = [&c.verify_tls_ca, &c.verify_tls_cert, &c.verify_tls_key]
+        .iter()
+        .any(|p| security::given(p).is_some())
+        || !c.verify_tls_domain.is_empty();
+    let tls = tls_given
+        .then(|| {
+            security::client_tls(
+                &c.verify_tls_ca,
+                &c.verify_tls_cert,
+                &c.verify_tls_key,
+                &c.verify_tls_domain,
+            )
+        })
+        .transpose()
+        .context("verify_tls_* settings")?;
+    let token =
+        BearerToken::new(&c.verify_token, &c.verify_token_file).context("verify_token settings")?;
+    Ok(ClientSecurity { tls, token })
+}
+
