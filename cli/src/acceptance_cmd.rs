@@ -1,5 +1,5 @@
 //! `sequoia tree measure-acceptance`: run a draft/target pair locally over a prompt file
-//! (Spec-Bench JSONL) and measure the acceptance vector (ALGORITHMS.md §6), overall and by depth.
+//! (Spec-Bench JSONL) and measure the acceptance vector (docs/ALGORITHMS.md §6), overall and by depth.
 //!
 //! Each step drafts a "spine" tree: W children at every level along the rank-1 path, D levels
 //! deep, so every rank is tried at every depth the accepted path reaches. The target verifies

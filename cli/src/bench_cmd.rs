@@ -18,7 +18,7 @@
 //!
 //! Budgets count *drafted* tokens, so `chain:4`, `kxd:2x2` and `sequoia:4` all verify 5 nodes.
 //! The Sequoia and `kxd-best` trees are planned from an acceptance vector measured at the start
-//! of the run on held-out prompts (a wide "spine" tree through the same services, ALGORITHMS.md
+//! of the run on held-out prompts (a wide "spine" tree through the same services, docs/ALGORITHMS.md
 //! §6), per temperature, unless `--acceptance` gives one.
 //!
 //! Services: `--draft-addr` (already running, e.g. across the two-host emulation in
@@ -108,7 +108,7 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',')]
     pub acceptance: Option<Vec<f64>>,
     /// Held-out prompts per temperature used to measure the acceptance vector (0 = use the
-    /// example vector of ALGORITHMS.md §2 unless --acceptance is given).
+    /// example vector of docs/ALGORITHMS.md §2 unless --acceptance is given).
     #[arg(long, default_value_t = 4)]
     pub calibration_prompts: usize,
     /// Send the prompt text raw instead of as a chat message (models without a chat template).

@@ -17,6 +17,7 @@ use sequoia_core::sampling::{
 use sequoia_engine::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
 use sequoia_core::tree::Tree;
 use sequoia_core::types::FinishReason;
+use sequoia_engine::{kernels, roofline};
 use serde::Serialize;
 
 /// A model argument: a path (GGUF file or Hugging Face folder) or a default model's short name
@@ -231,8 +232,13 @@ pub enum BenchTree {
 #[derive(clap::Args, Debug, Clone)]
 pub struct EngineBenchArgs {
     /// GGUF file, Hugging Face folder, or a default model name (e.g. qwen2.5-coder-1.5b).
-    #[arg(long)]
+    #[arg(long, required_unless_present = "kernels", default_value = "")]
     pub model: String,
+    /// Instead of a model: each matmul kernel on each ISA path this CPU has, single-threaded,
+    /// in G MAC/s and GB/s and as a share of this machine's peaks (measured first: read
+    /// bandwidth and an int8 dot-product peak loop per ISA).
+    #[arg(long)]
+    pub kernels: bool,
     /// CPU threads (rayon pool size).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -308,6 +314,9 @@ fn filler_tokens(n: usize, vocab: usize, salt: u64) -> Vec<u32> {
 
 /// Decode speed and the tree-forward cost curve t(n).
 pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
+    if args.kernels {
+        return kernel_bench(args);
+    }
     if args.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
@@ -426,6 +435,101 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
                 r.n, r.levels, r.ms_median, r.ms_min, r.ratio
             );
         }
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct KernelRow {
+    format: &'static str,
+    isa: &'static str,
+    n: usize,
+    k: usize,
+    m: usize,
+    ms: f64,
+    gmacs_per_core: f64,
+    gbps: f64,
+    /// G MAC/s over the measured int8 peak of this ISA (None for the scalar reference).
+    share_of_int8_peak: Option<f64>,
+    /// GB/s over the measured one-thread read bandwidth.
+    share_of_bandwidth: f64,
+}
+
+#[derive(Serialize)]
+struct KernelReport {
+    peaks: roofline::Peaks,
+    rows: Vec<KernelRow>,
+}
+
+/// `engine-bench --kernels`: per format, ISA path and row count, on the gate/up shape of
+/// Qwen2.5-1.5B (8960 × 1536), weights cycled through enough copies to stream from DRAM as
+/// in a forward pass.
+fn kernel_bench(args: &EngineBenchArgs) -> Result<()> {
+    let threads = args.threads.unwrap_or_else(|| {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    });
+    if !args.json {
+        eprintln!("measuring this machine's peaks ({threads} threads for bandwidth) ...");
+    }
+    let peaks = roofline::measure(threads);
+    let (n, k) = (8960, 1536);
+    let mut rows = Vec::new();
+    for format in kernels::FORMATS {
+        for isa in kernels::Isa::ALL.into_iter().filter(|i| i.available()) {
+            for m in [1usize, 4, 8, 16, 32] {
+                // The scalar reference is slow: one row count shows its level.
+                if isa == kernels::Isa::Scalar && m != 8 {
+                    continue;
+                }
+                let t = kernels::bench(isa, format, n, k, m, 8)?;
+                rows.push(KernelRow {
+                    format,
+                    isa: isa.name(),
+                    n,
+                    k,
+                    m,
+                    ms: t.ns / 1e6,
+                    gmacs_per_core: t.gmacs,
+                    gbps: t.gbps,
+                    share_of_int8_peak: peaks.int8_peak(isa.name()).map(|p| t.gmacs / p),
+                    share_of_bandwidth: t.gbps / peaks.read_gbps_one_thread,
+                });
+            }
+        }
+    }
+    if args.json {
+        let report = KernelReport { peaks, rows };
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "peaks: read {:.1} GB/s (1 thread), {:.1} GB/s ({} threads); int8 per core: {}",
+        peaks.read_gbps_one_thread,
+        peaks.read_gbps_all_threads,
+        peaks.threads,
+        peaks
+            .int8_gmacs_per_core
+            .iter()
+            .map(|(i, g)| format!("{i} {g:.0} G MAC/s"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!("kernels, one thread, {n} x {k} weights streamed from memory:");
+    println!("| format | isa | m | ms | G MAC/s | % int8 peak | GB/s | % bandwidth |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {} | {:.3} | {:.1} | {} | {:.1} | {:.0}% |",
+            r.format,
+            r.isa,
+            r.m,
+            r.ms,
+            r.gmacs_per_core,
+            r.share_of_int8_peak
+                .map_or("–".to_string(), |s| format!("{:.0}%", 100.0 * s)),
+            r.gbps,
+            100.0 * r.share_of_bandwidth
+        );
     }
     Ok(())
 }

@@ -35,7 +35,7 @@ pub struct PlanArgs {
 pub struct BenchArgs {
     #[arg(long, default_value_t = 1024)]
     pub nodes: usize,
-    /// Ranks considered (the acceptance vector is the ALGORITHMS.md §2 example, cut or padded).
+    /// Ranks considered (the acceptance vector is the docs/ALGORITHMS.md §2 example, cut or padded).
     #[arg(long, default_value_t = 32)]
     pub width: usize,
     #[arg(long, default_value_t = 20)]

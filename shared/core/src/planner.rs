@@ -1,5 +1,5 @@
 //! Tree shapes that maximize expected accepted tokens: the Sequoia dynamic program
-//! (ALGORITHMS.md §2), scoring of any tree under a positional acceptance vector, and the chain
+//! (docs/ALGORITHMS.md §2), scoring of any tree under a positional acceptance vector, and the chain
 //! and k×d (SpecInfer-style) baselines.
 //!
 //! Acceptance model: if a node is on the accepted path, its r-th child is the accepted one with
@@ -331,7 +331,7 @@ pub fn plan(p: &[f64], nodes: usize, max_levels: Option<usize>) -> Result<Plan, 
     })
 }
 
-/// The acceptance vector of ALGORITHMS.md §2 (W = 32), used in tests and examples.
+/// The acceptance vector of docs/ALGORITHMS.md §2 (W = 32), used in tests and examples.
 pub const EXAMPLE_ACCEPTANCE: [f64; 32] = [
     0.6342, 0.1079, 0.0570, 0.0225, 0.0195, 0.0150, 0.0045, 0.0030, 0.0120, 0.0045, 0.0075, 0.0045,
     0.0060, 0.0030, 0.0015, 0.0030, 0.0015, 0.0030, 0.0000, 0.0030, 0.0030, 0.0030, 0.0000, 0.0015,

@@ -1,4 +1,4 @@
-//! Exact tree verification (ALGORITHMS.md §4).
+//! Exact tree verification (docs/ALGORITHMS.md §4).
 //!
 //! Given a drafted tree (shape, tokens, and the draft distribution q each expanded node's
 //! children were sampled from), walk down from the root: at each node try its children in rank

@@ -1,5 +1,5 @@
 //! The draft side of one generation: the draft model's KV cache, growing a token tree level by
-//! level (ALGORITHMS.md §3), and following the verifier's verdict. Plain library code with no
+//! level (docs/ALGORITHMS.md §3), and following the verifier's verdict. Plain library code with no
 //! networking: draft-service runs it against remote verify nodes, `sequoia tree
 //! measure-acceptance` against a local target.
 

@@ -51,6 +51,7 @@ pub mod drafting;
 mod layers;
 pub mod model;
 pub mod profiling;
+pub mod roofline;
 mod qkernels;
 mod qmatmul;
 pub mod testing;

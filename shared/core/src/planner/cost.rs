@@ -1,4 +1,4 @@
-//! The hardware- and network-aware planner (ALGORITHMS.md §5): pick the tree size and depth that
+//! The hardware- and network-aware planner (docs/ALGORITHMS.md §5): pick the tree size and depth that
 //! maximize predicted speedup over target-only decoding from *measured* costs, and fall back to
 //! no speculation when nothing beats it.
 //!
