@@ -842,6 +842,93 @@ unsafe fn epi32<S: Simd, const R: usize>(
     }
 }
 
+/// Q4_K sub-block `4·HI + j` (k-groups `8j..8j+8` of the low or high nibbles): its integer
+/// dot times its scale, added to `sumi`.
+#[inline(always)]
+unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        let sb = 4 * HI as usize + j;
+        let sc = S::load_u8_i32(main.add(2048 + 16 * sb + S::LANES * half));
+        let mut a = [S::zero(); R];
+        let mut b = [S::zero(); R];
+        for t in 0..8 {
+            let c = 8 * j + t;
+            let v = S::load(main.add(64 * c + 32 * half));
+            let w = if HI { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+            let g = 32 * HI as usize + c;
+            for r in 0..R {
+                let x = S::bcast(bcast_q(acts[r], 4 * g));
+                if R <= 2 && t % 2 == 1 {
+                    b[r] = S::dpbusd(b[r], w, x);
+                } else {
+                    a[r] = S::dpbusd(a[r], w, x);
+                }
+            }
+        }
+        for r in 0..R {
+            let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
+            sumi[r] = S::add(sumi[r], S::mullo(s, sc));
+        }
+    }
+}
+
+/// Q6_K sub-block `4·Q + j` (k-groups `16Q + 4j ..+4`; quarter `Q` fixes the nibble and the
+/// shift of the high bits): scale · (dot − 32 Σx), added to `sumi`.
+#[inline(always)]
+unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        let m30 = S::set1_i8(0x30);
+        let sb = 4 * Q + j;
+        let sc = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
+        let mut a = [S::zero(); R];
+        for r in 0..R {
+            a[r] = S::bcast((*acts[r]).init16.as_ptr().add(sb) as *const u8);
+        }
+        let mut b = [S::zero(); R];
+        for t in 0..4 {
+            let g = 16 * Q + 4 * j + t;
+            let v = S::load(main.add(64 * (g % 32) + 32 * half));
+            let lo = if Q >= 2 { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+            let hv = S::load(main.add(2048 + 64 * (4 * j + t) + 32 * half));
+            let hb = match Q {
+                0 => S::shl16(hv, 4),
+                1 => S::shl16(hv, 2),
+                2 => hv,
+                _ => S::shr16(hv, 2),
+            };
+            let w = S::or(lo, S::and(hb, m30));
+            for r in 0..R {
+                let x = S::bcast(bcast_q(acts[r], 4 * g));
+                if R <= 2 && t % 2 == 1 {
+                    b[r] = S::dpbusd(b[r], w, x);
+                } else {
+                    a[r] = S::dpbusd(a[r], w, x);
+                }
+            }
+        }
+        for r in 0..R {
+            let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
+            sumi[r] = S::add(sumi[r], S::mullo(s, sc));
+        }
+    }
+}
+
 pub(crate) struct Q4K;
 pub(crate) struct Q6K;
 pub(crate) struct Q5_0;
@@ -928,29 +1015,13 @@ impl Format for Q4K {
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
-            let m4 = S::set1_i8(0x0F);
             let lanes = S::LANES;
             let mut sumi = [S::zero(); R];
-            for j in 0..8 {
-                let sc = S::load_u8_i32(main.add(2048 + 16 * j + lanes * half));
-                let mut a = [S::zero(); R];
-                let mut b = [S::zero(); R];
-                for t in 0..8 {
-                    let g = 8 * j + t;
-                    let w = nibbles::<S>(main, g, 64, half, m4);
-                    for r in 0..R {
-                        let x = S::bcast(bcast_q(acts[r], 4 * g));
-                        if R <= 2 && t % 2 == 1 {
-                            b[r] = S::dpbusd(b[r], w, x);
-                        } else {
-                            a[r] = S::dpbusd(a[r], w, x);
-                        }
-                    }
-                }
-                for r in 0..R {
-                    let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
-                    sumi[r] = S::add(sumi[r], S::mullo(s, sc));
-                }
+            for j in 0..4 {
+                q4k_sub::<S, R, false>(main, j, half, acts, &mut sumi);
+            }
+            for j in 0..4 {
+                q4k_sub::<S, R, true>(main, j, half, acts, &mut sumi);
             }
             let d = S::load_f16(aux.add(2 * lanes * half));
             for r in 0..R {
@@ -1046,41 +1117,19 @@ impl Format for Q6K {
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
-            let m4 = S::set1_i8(0x0F);
-            let m30 = S::set1_i8(0x30);
             let lanes = S::LANES;
             let mut sumi = [S::zero(); R];
-            for j in 0..16 {
-                let sc = S::load_i8_i32(main.add(3072 + 16 * j + lanes * half));
-                let mut a = [S::zero(); R];
-                for r in 0..R {
-                    a[r] = S::bcast((*acts[r]).init16.as_ptr().add(j) as *const u8);
-                }
-                let mut b = [S::zero(); R];
-                for t in 0..4 {
-                    let g = 4 * j + t;
-                    let lo = nibbles::<S>(main, g, 64, half, m4);
-                    let hv = S::load(main.add(2048 + (g % 16) * 64 + 32 * half));
-                    let hb = match g / 16 {
-                        0 => S::shl16(hv, 4),
-                        1 => S::shl16(hv, 2),
-                        2 => hv,
-                        _ => S::shr16(hv, 2),
-                    };
-                    let w = S::or(lo, S::and(hb, m30));
-                    for r in 0..R {
-                        let x = S::bcast(bcast_q(acts[r], 4 * g));
-                        if R <= 2 && t % 2 == 1 {
-                            b[r] = S::dpbusd(b[r], w, x);
-                        } else {
-                            a[r] = S::dpbusd(a[r], w, x);
-                        }
-                    }
-                }
-                for r in 0..R {
-                    let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
-                    sumi[r] = S::add(sumi[r], S::mullo(s, sc));
-                }
+            for j in 0..4 {
+                q6k_sub::<S, R, 0>(main, j, half, acts, &mut sumi);
+            }
+            for j in 0..4 {
+                q6k_sub::<S, R, 1>(main, j, half, acts, &mut sumi);
+            }
+            for j in 0..4 {
+                q6k_sub::<S, R, 2>(main, j, half, acts, &mut sumi);
+            }
+            for j in 0..4 {
+                q6k_sub::<S, R, 3>(main, j, half, acts, &mut sumi);
             }
             let d = S::load_f16(aux.add(2 * lanes * half));
             for r in 0..R {
