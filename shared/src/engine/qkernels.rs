@@ -1400,6 +1400,31 @@ impl Format for Q4_1 {
 #[derive(Clone, Copy)]
 struct Line([u8; 64]);
 
+/// Software prefetch distance (bytes) when a group streams from memory: 4096, or
+/// `SEQUOIA_KERNEL_PF` (0 turns it off; read once).
+fn pf_dist() -> usize {
+    use std::sync::OnceLock;
+    static D: OnceLock<usize> = OnceLock::new();
+    *D.get_or_init(|| {
+        std::env::var("SEQUOIA_KERNEL_PF")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4096)
+    })
+}
+
+/// Prefetch the line at address `p` into L1 if it lies before `end`.
+#[inline(always)]
+fn prefetch(p: usize, end: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if p < end {
+        // SAFETY: prefetch has no architectural effect; the address is inside the buffer.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, end);
+}
+
 /// An `n × k` matrix in the interleaved layout of format `F`.
 pub(crate) struct Packed<F: Format> {
     data: Vec<Line>,
@@ -1503,16 +1528,19 @@ impl<F: Format> Packed<F> {
         // Rows per cache block: a group's weights are reused for this many rows from L1/L2.
         const RB: usize = 64;
         let halves = G / S::LANES;
+        let dist = pf_dist();
         for r0 in (0..m).step_by(RB) {
             let r1 = (r0 + RB).min(m);
             for gi in groups.clone() {
                 for t0 in (r0..r1).step_by(RT) {
                     let rows = (r1 - t0).min(RT);
                     for half in 0..halves {
+                        // The first pass over a group streams it from memory: prefetch ahead.
+                        let pf = if t0 == 0 && half == 0 { dist } else { 0 };
                         macro_rules! go {
                             ($($n:literal)*) => {
                                 match rows {
-                                    $($n => unsafe { self.tile::<S, $n>(acts, t0, gi, half, out) },)*
+                                    $($n => unsafe { self.tile::<S, $n>(acts, t0, gi, half, out, pf) },)*
                                     _ => unreachable!(),
                                 }
                             };
@@ -1536,8 +1564,10 @@ impl<F: Format> Packed<F> {
         gi: usize,
         half: usize,
         out: OutPtr,
+        pf: usize,
     ) {
         let base = self.bytes().as_ptr();
+        let end = base as usize + self.size_bytes();
         let kb = self.kb;
         // SAFETY: group `gi` exists (caller), so its slot is inside `data`; rows `t0..t0 + R`
         // exist in `acts`.
@@ -1547,6 +1577,13 @@ impl<F: Format> Packed<F> {
             let rows: [*const F::Act; R] = std::array::from_fn(|r| acts.as_ptr().add((t0 + r) * kb));
             let mut acc = [S::fzero(); R];
             for b in 0..kb {
+                if pf > 0 {
+                    let m = g.add(b * F::MAIN) as usize;
+                    for l in (0..F::MAIN).step_by(64) {
+                        prefetch(m + pf + l, end);
+                    }
+                    prefetch(aux.add(b * F::AUX) as usize + pf, end);
+                }
                 let a: [*const F::Act; R] = std::array::from_fn(|r| rows[r].add(b));
                 F::block::<S, R>(g.add(b * F::MAIN), aux.add(b * F::AUX), half, &a, &mut acc);
             }

@@ -723,6 +723,39 @@ mod bench {
     /// `cargo test --release -p sequoia-shared --lib qmatmul::bench -- --ignored --nocapture`
     /// (env: QSHAPE=NxK, QTYPES=Q4K,Q6K,Q5_0,Q8_0,Q4_1, QISAS=avx512vnni,..., QCOPIES=n to
     /// stream the weights from DRAM, QMS=1,4,8,...).
+    /// 512-bit `vpdpbusd` peak of this core now (12 independent accumulators), G MAC/s in
+    /// thread CPU time: the reference for the kernels measured in the same run.
+    #[cfg(target_arch = "x86_64")]
+    fn vnni512_peak() -> Option<f64> {
+        if !Isa::Avx512Vnni.available() {
+            return None;
+        }
+        let iters = 20_000_000u64;
+        let t = thread_cpu_ns();
+        // SAFETY: AVX-512 VNNI checked; only zmm registers are touched (declared clobbered).
+        unsafe {
+            std::arch::asm!(
+                "vpxord zmm30, zmm30, zmm30",
+                "vpxord zmm31, zmm31, zmm31",
+                "2:",
+                "vpdpbusd zmm0, zmm30, zmm31", "vpdpbusd zmm1, zmm30, zmm31",
+                "vpdpbusd zmm2, zmm30, zmm31", "vpdpbusd zmm3, zmm30, zmm31",
+                "vpdpbusd zmm4, zmm30, zmm31", "vpdpbusd zmm5, zmm30, zmm31",
+                "vpdpbusd zmm6, zmm30, zmm31", "vpdpbusd zmm7, zmm30, zmm31",
+                "vpdpbusd zmm8, zmm30, zmm31", "vpdpbusd zmm9, zmm30, zmm31",
+                "vpdpbusd zmm10, zmm30, zmm31", "vpdpbusd zmm11, zmm30, zmm31",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iters => _,
+                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm30") _, out("zmm31") _,
+            );
+        }
+        Some((iters * 12 * 64) as f64 / (thread_cpu_ns() - t) as f64)
+    }
+
     #[test]
     #[ignore]
     fn kernel_throughput() {
@@ -742,6 +775,22 @@ mod bench {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(1);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(p) = vnni512_peak() {
+            println!("512-bit vpdpbusd peak now: {p:.0} GMAC/s/core");
+        }
+        {
+            // Read bandwidth now (one thread, 512 MiB, thread CPU time).
+            let buf = vec![1u64; 64 << 20];
+            let mut best = f64::INFINITY;
+            let mut sum = 0u64;
+            for _ in 0..3 {
+                let t = thread_cpu_ns();
+                sum = sum.wrapping_add(buf.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
+                best = best.min((thread_cpu_ns() - t) as f64);
+            }
+            println!("read bandwidth now: {:.1} GB/s ({sum})", (buf.len() * 8) as f64 / best);
+        }
         for dtype in [
             GgmlDType::Q4K,
             GgmlDType::Q6K,
