@@ -29,8 +29,9 @@
 //! - `weights`: GGUF (quantized) and Hugging Face safetensors loading;
 //! - `qmatmul` + `qkernels`: the CPU matrix multiply against quantized weights. candle's own
 //!   kernel re-reads and re-decodes the whole weight matrix for every input row (a 16-node tree
-//!   cost 21 decodes) and has no SIMD path for Q5_0; ours decodes each weight block once for up
-//!   to eight rows (AVX2, GGML block layouts as stored in the file);
+//!   cost 21 decodes) and has no SIMD path for Q5_0; ours repack the weights at load into
+//!   column-interleaved groups and use each weight byte for every row of the batch (AVX-512
+//!   VNNI / AVX-VNNI / AVX2 / scalar, picked at run time or by `SEQUOIA_KERNEL_ISA`);
 //! - `attention`: the CPU attention kernel (fixed-order loops over each node's visible keys);
 //! - [`testing`]: tiny random-weight models for tests, including "draft-like" perturbed copies.
 //!
@@ -62,6 +63,9 @@ use std::sync::OnceLock;
 
 pub use cache::KvCache;
 pub use model::{Model, ModelInfo};
+/// The CPU quantized-matmul kernel benchmark (for a CLI `bench kernels`) and its ISA paths.
+pub use qkernels::Isa as KernelIsa;
+pub use qmatmul::{kernel_report, repack_stats, KernelTiming};
 
 /// Everything that can go wrong in the engine. Inputs that come from the network (tokens, trees,
 /// compaction indices) are checked and reported here; the engine never panics on them.

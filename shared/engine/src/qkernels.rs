@@ -1,32 +1,44 @@
-//! Quantized dot-product kernels that serve several input rows per pass over a weight row.
+//! Quantized matmul kernels on weights repacked at load into column-interleaved groups.
 //!
-//! Why our own: candle's CPU kernels compute one (input row, weight row) dot product at a time,
-//! re-decoding the weight block for every input row, and Q5_0 (the bulk of Qwen2.5-0.5B's
-//! weights) has no SIMD path at all. Tree verification multiplies 8..128 rows by every matrix,
-//! so here one weight block is decoded once (nibbles split, scales expanded) and then dotted with
-//! up to [`ROW_TILE`] input rows while it sits in registers; the per-row work is just
-//! `maddubs → madd(scale) → add` per 32 weights. The rows' integer sums are folded together
-//! (`hadd`) before the one float multiply-add per block, so the per-block float work is shared
-//! too. A row's result is bit-identical whatever the batch size and whichever rows share its
-//! tile (one code path for every row count), so with the batch-invariant attention a tree node's
-//! logits equal those of decoding it alone, bit for bit.
+//! **Layout.** The `n` weight rows (output columns) are cut into groups of [`G`] = 16. Within a
+//! group, one 64-byte line holds 4 consecutive k-values of each of the 16 columns (byte
+//! `4·col + i` is value `4·g + i` of column `col` for k-group `g`), so a vector register holds
+//! 16 (512-bit) or 8 (256-bit, half a line) columns × 4 k-values and `vpdpbusd` against a
+//! broadcast 4-byte group of int8 activations adds one int32 per column per lane: no horizontal
+//! sums, and every weight byte pulled from memory serves every row of the batch. Bits stay as
+//! packed as in the file: 4-bit values share a line as low and high nibbles (k-groups `c` and
+//! `c + NK/2` of a block), Q6_K's top two bits and Q5_0's fifth bit live in their own bit
+//! planes, and the per-block scales (`f16`), 6-bit sub-block scales and mins (`u8`) of the 16
+//! columns sit next to each other. Per group: `kb` blocks of 64-byte-aligned "main" data
+//! (quants, sub-block scales), then the `kb` blocks' float scales ("aux"). The last group is
+//! padded with zero columns.
 //!
-//! Formats: the weight blocks are GGML's on-disk layouts (Q4_K, Q6_K, Q5_0, Q8_0), read as is.
-//! Inputs are quantized per call to int8: per 256 values with 16-value sums ([`ActK`], for the
-//! K-quants) or per 32 values ([`Act32`]), and stored as row tiles ([`TileBlock`]: the tile's
-//! rows side by side per block, so a kernel reaches every row from one pointer). Integer
-//! products are exact; each block's sum is scaled in f32.
+//! **Activations** are quantized once per row to int8 ([`ActK`] per 256 values with the sums the
+//! K-quant offsets need, [`Act32`] per 32); the unsigned-weight offsets (Q6_K −32, Q5_0 −16,
+//! Q8_0 stored as `w + 128`) are applied in integers by starting the block's accumulator at
+//! `−offset · Σx`, Q4_K's mins through one `vpdpwssd` per pair of sub-blocks. All integer sums
+//! are exact on every path; the float epilogue (one or two FMAs per block and row, blocks in k
+//! order) is the same sequence of operations on every ISA, so a row's result is bit-identical
+//! for any batch size, any position in its row tile and any ISA path.
 //!
-//! Every format has a portable scalar path with the same math (used when the CPU lacks
-//! AVX2/FMA/F16C, and as the reference in tests).
+//! **ISA paths** (chosen once at run time, see [`Isa`]): AVX-512 VNNI (16 columns per
+//! register), AVX-VNNI and AVX2 (8 columns, the two halves of a group one after the other; AVX2
+//! emulates `vpdpbusd` with `maddubs` + `madd`, exact because the 4..6-bit weights keep the
+//! pair sums below the i16 limit, and Q8_0 uses the sign trick) and a portable scalar model of
+//! the same lanes (the reference in tests).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
 use half::f16;
 
+/// Columns per interleaved group.
+pub(crate) const G: usize = 16;
 /// Values per K-quant super-block.
 pub(crate) const QK_K: usize = 256;
+
+// ---------------------------------------------------------------------------------------------
+// GGML on-disk blocks (read once, at repack time).
 
 /// GGML Q4_K: 8 sub-blocks of 32 4-bit values with 6-bit scales and mins.
 #[repr(C)]
@@ -65,84 +77,97 @@ pub(crate) struct BlockQ8_0 {
     qs: [i8; 32],
 }
 
+/// GGML Q4_1: 32 4-bit values, `w = d · q + m`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BlockQ4_1 {
+    d: u16,
+    m: u16,
+    qs: [u8; 16],
+}
+
 const _: () = {
     assert!(std::mem::size_of::<BlockQ4K>() == 144);
     assert!(std::mem::size_of::<BlockQ6K>() == 210);
     assert!(std::mem::size_of::<BlockQ5_0>() == 22);
     assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+    assert!(std::mem::size_of::<BlockQ4_1>() == 20);
 };
 
-/// 256 input values as int8 with one scale, plus the sums the K-quant offsets need.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ActK {
-    qs: [i8; 256],
-    /// Σ qs over each 16 values (Q6_K's offset of 32).
-    bsums16: [i16; 16],
-    /// `d · Σ qs` over each 32 values (Q4_K's mins).
-    dbs32: [f32; 8],
-    d: f32,
+/// One column's block, decoded: unsigned quants and the integer/float scales.
+#[derive(Clone, Copy)]
+pub(crate) struct ColBlock {
+    /// Unsigned quant values (first `BLOCK` used).
+    q: [u8; QK_K],
+    /// Sub-block scales (Q4_K: u8 6-bit, Q6_K: i8 as u8 bits).
+    sc: [u8; 16],
+    /// Q4_K sub-block mins.
+    mins: [u8; 8],
+    /// f16 bits: the block scale, and Q4_K's `dmin` / Q4_1's `m`.
+    d: u16,
+    d2: u16,
 }
 
-/// 32 input values as int8 with one scale; `sum = Σ qs` (Q5_0's offset of 16 is applied in
-/// integers, before any rounding: with the large activation outliers of Qwen-style models a
-/// float offset would cancel catastrophically).
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Act32 {
-    qs: [i8; 32],
-    d: f32,
-    sum: i32,
-}
-
-/// Input rows per kernel call (a row tile).
-pub(crate) const ROW_TILE: usize = 8;
-
-/// One block position of a row tile: the input blocks of the tile's rows side by side, and
-/// their scales (`d`) and Act32 sums (`s`) as vectors. Missing rows of a partial tile are zero.
-#[repr(C, align(32))]
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct TileBlock<A> {
-    a: [A; ROW_TILE],
-    d: [f32; ROW_TILE],
-    s: [i32; ROW_TILE],
-}
-
-/// Quantize the `m` rows of `x` (`m × k`, row-major) into row tiles: `kb` blocks per tile.
-pub(crate) fn quantize_tiles<F: QFormat>(x: &[f32], m: usize, k: usize) -> Vec<TileBlock<F::Act>> {
-    use rayon::prelude::*;
-    assert_eq!(x.len(), m * k, "matmul input size");
-    let kb = k / F::BLOCK;
-    let zero = TileBlock {
-        a: [F::act_zero(); ROW_TILE],
-        d: [0.0; ROW_TILE],
-        s: [0; ROW_TILE],
+impl ColBlock {
+    const ZERO: ColBlock = ColBlock {
+        q: [0; QK_K],
+        sc: [0; 16],
+        mins: [0; 8],
+        d: 0,
+        d2: 0,
     };
-    let mut tiles = vec![zero; m.div_ceil(ROW_TILE) * kb];
-    let fill = |t: usize, tile: &mut [TileBlock<F::Act>]| {
-        for i in 0..ROW_TILE.min(m - t * ROW_TILE) {
-            let row = &x[(t * ROW_TILE + i) * k..][..k];
-            for (tb, xb) in tile.iter_mut().zip(row.chunks_exact(F::BLOCK)) {
-                let a = F::quantize_block(xb);
-                (tb.d[i], tb.s[i]) = F::act_scales(&a);
-                tb.a[i] = a;
-            }
-        }
-    };
-    if m > ROW_TILE {
-        tiles
-            .par_chunks_mut(kb)
-            .enumerate()
-            .for_each(|(t, tile)| fill(t, tile));
-    } else {
-        fill(0, &mut tiles);
-    }
-    tiles
 }
 
 #[inline]
 fn f16_to_f32(bits: u16) -> f32 {
     f16::from_bits(bits).to_f32()
+}
+
+/// All eight Q4_K (scales, mins), bytes `[s0..s7, m0..m7]`.
+fn q4k_scales_mins(q: &[u8; 12]) -> [u8; 16] {
+    let mut out = [0u8; 16];
+    for j in 0..8 {
+        let (s, m) = if j < 4 {
+            (q[j] & 63, q[j + 4] & 63)
+        } else {
+            (
+                (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+                (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+            )
+        };
+        out[j] = s;
+        out[8 + j] = m;
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Activations.
+
+/// 256 input values as int8 with one scale, plus the sums the K-quant offsets need.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ActK {
+    qs: [i8; 256],
+    d: f32,
+    /// `−32 · Σ qs` over each 16 values: Q6_K's sub-block accumulators start here.
+    init16: [i32; 16],
+    /// Σ qs over each 32 values as i16 pairs `(s[2p], s[2p+1])` in one i32 (Q4_K's mins).
+    bs32p: [i32; 4],
+}
+
+/// 32 input values as int8 with one scale.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Act32 {
+    qs: [i8; 32],
+    d: f32,
+    /// `d · Σ qs` (Q4_1's mins).
+    xs: f32,
+    /// `−16 · Σ qs` (Q5_0's offset).
+    n16: i32,
+    /// `−128 · Σ qs` (Q8_0 stored as `w + 128`).
+    n128: i32,
 }
 
 /// Quantize `x` to int8 with a symmetric scale: returns `d` (values ≈ d · q).
@@ -160,654 +185,1590 @@ fn quantize_i8(x: &[f32], q: &mut [i8]) -> f32 {
     amax / 127.0
 }
 
-/// A GGML weight block type with a multi-row kernel.
-pub(crate) trait QFormat: Copy + Send + Sync + std::fmt::Debug + 'static {
-    type Act: Copy + Send + Sync + std::fmt::Debug + 'static;
-    /// Values per block.
+/// An activation block type.
+pub(crate) trait ActBlock: Copy + Send + Sync + std::fmt::Debug + 'static {
     const BLOCK: usize;
-    const NAME: &'static str;
-    fn act_zero() -> Self::Act;
-    /// Quantize one block of `BLOCK` input values.
-    fn quantize_block(x: &[f32]) -> Self::Act;
-    /// The (`d`, `s`) pair a [`TileBlock`] carries for one input block.
-    fn act_scales(a: &Self::Act) -> (f32, i32);
-    /// Expand `w` into `out` (`w.len() * BLOCK` values).
-    fn dequantize(w: &[Self], out: &mut [f32]);
-    /// Dot products of weight row `w` with the first `R` rows of a row tile (portable).
-    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<Self::Act>]) -> [f32; R];
-    /// The same with AVX2 (`R <= ROW_TILE`). A row's result does not depend on `R` or on the
-    /// other rows, bit for bit.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<Self::Act>]) -> [f32; R];
+    fn quantize(x: &[f32]) -> Self;
 }
 
-fn quantize_k(x: &[f32]) -> ActK {
-    let mut a = ActK {
-        qs: [0; 256],
-        bsums16: [0; 16],
-        dbs32: [0.0; 8],
-        d: 0.0,
-    };
-    a.d = quantize_i8(x, &mut a.qs);
-    for (s, q) in a.bsums16.iter_mut().zip(a.qs.chunks_exact(16)) {
-        *s = q.iter().map(|&v| v as i16).sum();
+impl ActBlock for ActK {
+    const BLOCK: usize = QK_K;
+    fn quantize(x: &[f32]) -> ActK {
+        let mut a = ActK {
+            qs: [0; 256],
+            d: 0.0,
+            init16: [0; 16],
+            bs32p: [0; 4],
+        };
+        a.d = quantize_i8(x, &mut a.qs);
+        let mut s16 = [0i32; 16];
+        for (s, q) in s16.iter_mut().zip(a.qs.chunks_exact(16)) {
+            *s = q.iter().map(|&v| v as i32).sum();
+        }
+        for j in 0..16 {
+            a.init16[j] = -32 * s16[j];
+        }
+        for p in 0..4 {
+            let lo = s16[4 * p] + s16[4 * p + 1];
+            let hi = s16[4 * p + 2] + s16[4 * p + 3];
+            a.bs32p[p] = ((lo as u16 as u32) | ((hi as u16 as u32) << 16)) as i32;
+        }
+        a
     }
-    for i in 0..8 {
-        a.dbs32[i] = a.d * (a.bsums16[2 * i] + a.bsums16[2 * i + 1]) as f32;
+}
+
+impl ActBlock for Act32 {
+    const BLOCK: usize = 32;
+    fn quantize(x: &[f32]) -> Act32 {
+        let mut a = Act32 {
+            qs: [0; 32],
+            d: 0.0,
+            xs: 0.0,
+            n16: 0,
+            n128: 0,
+        };
+        a.d = quantize_i8(x, &mut a.qs);
+        let s: i32 = a.qs.iter().map(|&v| v as i32).sum();
+        a.xs = a.d * s as f32;
+        a.n16 = -16 * s;
+        a.n128 = -128 * s;
+        a
     }
-    a
 }
 
-fn quantize_32(x: &[f32]) -> Act32 {
-    let mut a = Act32 {
-        qs: [0; 32],
-        d: 0.0,
-        sum: 0,
-    };
-    a.d = quantize_i8(x, &mut a.qs);
-    a.sum = a.qs.iter().map(|&v| v as i32).sum();
-    a
-}
-
-/// Q4_K's packed 6-bit (scale, min) for sub-block `j`.
-#[inline]
-fn q4k_scale_min(j: usize, q: &[u8; 12]) -> (u8, u8) {
-    if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
+/// Quantize the `m` rows of `x` (`m × k`): `k / A::BLOCK` blocks per row, row-major.
+pub(crate) fn quantize_rows<A: ActBlock>(x: &[f32], m: usize, k: usize) -> Vec<A> {
+    use rayon::prelude::*;
+    assert_eq!(x.len(), m * k, "matmul input size");
+    assert!(k.is_multiple_of(A::BLOCK));
+    let kb = k / A::BLOCK;
+    let mut out: Vec<A> = Vec::with_capacity(m * kb);
+    let fill = |o: &mut Vec<A>, xr: &[f32]| o.extend(xr.chunks_exact(A::BLOCK).map(A::quantize));
+    if m >= 8 {
+        let rows: Vec<Vec<A>> = x
+            .par_chunks(k)
+            .map(|xr| {
+                let mut v = Vec::with_capacity(kb);
+                fill(&mut v, xr);
+                v
+            })
+            .collect();
+        for r in rows {
+            out.extend(r);
+        }
     } else {
-        (
-            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    }
-}
-
-/// All eight Q4_K (scales, mins) at once, branch-free, as four little-endian words:
-/// bytes `[s0..s7, m0..m7]`.
-#[inline]
-fn q4k_scales_mins_u32(q: &[u8; 12]) -> [u32; 4] {
-    const KMASK1: u32 = 0x3f3f_3f3f;
-    const KMASK2: u32 = 0x0f0f_0f0f;
-    const KMASK3: u32 = 0x0303_0303;
-    let rd = |i: usize| u32::from_le_bytes([q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]]);
-    let (u0, u1, u2) = (rd(0), rd(1), rd(2));
-    let mins_hi = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
-    let mins_lo = u1 & KMASK1;
-    let sc_hi = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
-    let sc_lo = u0 & KMASK1;
-    [sc_lo, sc_hi, mins_lo, mins_hi]
-}
-
-/// [`q4k_scales_mins_u32`] as bytes.
-#[inline]
-fn q4k_scales_mins(q: &[u8; 12]) -> [u8; 16] {
-    let w = q4k_scales_mins_u32(q);
-    let mut out = [0u8; 16];
-    for (o, w) in out.chunks_exact_mut(4).zip(w) {
-        o.copy_from_slice(&w.to_le_bytes());
+        for xr in x.chunks_exact(k) {
+            fill(&mut out, xr);
+        }
     }
     out
+}
+
+// ---------------------------------------------------------------------------------------------
+// SIMD abstraction: `I` holds LANES i32 lanes (= 4·LANES bytes), `F` LANES f32.
+
+/// One lane width of one ISA. The kernels are written once against this trait; every method is
+/// exact in integers, and the float methods are the IEEE operations named (no reassociation).
+pub(crate) trait Simd: Copy {
+    const LANES: usize;
+    /// Q8_0: `q8dot` adds `Σ (w + 128) · x` (true) or `Σ w · x` (false).
+    const Q8_BIASED: bool;
+    type I: Copy;
+    type F: Copy;
+    unsafe fn zero() -> Self::I;
+    unsafe fn fzero() -> Self::F;
+    /// `4·LANES` bytes.
+    unsafe fn load(p: *const u8) -> Self::I;
+    /// The i32 at `p` in every lane.
+    unsafe fn bcast(p: *const u8) -> Self::I;
+    unsafe fn set1_i8(v: i8) -> Self::I;
+    unsafe fn and(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn or(a: Self::I, b: Self::I) -> Self::I;
+    /// Logical shifts of 16-bit lanes.
+    unsafe fn shr16(a: Self::I, s: u32) -> Self::I;
+    unsafe fn shl16(a: Self::I, s: u32) -> Self::I;
+    /// `acc + Σ₄ u8(a) · i8(b)` per i32 lane.
+    unsafe fn dpbusd(acc: Self::I, a: Self::I, b: Self::I) -> Self::I;
+    /// `acc + Σ₂ i16(a) · i16(b)` per i32 lane.
+    unsafe fn dpwssd(acc: Self::I, a: Self::I, b: Self::I) -> Self::I;
+    /// Q8_0 dot with `w` stored as `w + 128` (see [`Self::Q8_BIASED`]).
+    unsafe fn q8dot(acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
+    unsafe fn add(a: Self::I, b: Self::I) -> Self::I;
+    unsafe fn mullo(a: Self::I, b: Self::I) -> Self::I;
+    /// LANES bytes, zero- / sign-extended to i32.
+    unsafe fn load_u8_i32(p: *const u8) -> Self::I;
+    unsafe fn load_i8_i32(p: *const u8) -> Self::I;
+    /// `2·LANES` bytes zero-extended to i16.
+    unsafe fn load_u8_i16(p: *const u8) -> Self::I;
+    /// LANES f16 values.
+    unsafe fn load_f16(p: *const u8) -> Self::F;
+    unsafe fn fbcast(v: f32) -> Self::F;
+    unsafe fn cvt(a: Self::I) -> Self::F;
+    unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+    /// `a · b + c`, fused.
+    unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// `c − a · b`, fused.
+    unsafe fn fnmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+    /// Store all LANES values.
+    unsafe fn store(p: *mut f32, v: Self::F);
+}
+
+/// Portable model of the 16 lanes.
+#[derive(Clone, Copy)]
+pub(crate) struct Scalar;
+
+impl Simd for Scalar {
+    const LANES: usize = 16;
+    const Q8_BIASED: bool = true;
+    type I = [u32; 16];
+    type F = [f32; 16];
+    #[inline(always)]
+    unsafe fn zero() -> [u32; 16] {
+        [0; 16]
+    }
+    #[inline(always)]
+    unsafe fn fzero() -> [f32; 16] {
+        [0.0; 16]
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const u8) -> [u32; 16] {
+        // SAFETY: caller: 64 readable bytes.
+        std::array::from_fn(|i| unsafe { (p.add(4 * i) as *const u32).read_unaligned() })
+    }
+    #[inline(always)]
+    unsafe fn bcast(p: *const u8) -> [u32; 16] {
+        // SAFETY: caller: 4 readable bytes.
+        [unsafe { (p as *const u32).read_unaligned() }; 16]
+    }
+    #[inline(always)]
+    unsafe fn set1_i8(v: i8) -> [u32; 16] {
+        [u32::from_ne_bytes([v as u8; 4]); 16]
+    }
+    #[inline(always)]
+    unsafe fn and(a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
+        std::array::from_fn(|i| a[i] & b[i])
+    }
+    #[inline(always)]
+    unsafe fn or(a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
+        std::array::from_fn(|i| a[i] | b[i])
+    }
+    #[inline(always)]
+    unsafe fn shr16(a: [u32; 16], s: u32) -> [u32; 16] {
+        let keep = (0xFFFFu32 >> s) * 0x0001_0001;
+        std::array::from_fn(|i| (a[i] >> s) & keep)
+    }
+    #[inline(always)]
+    unsafe fn shl16(a: [u32; 16], s: u32) -> [u32; 16] {
+        let keep = ((0xFFFFu32 << s) & 0xFFFF) * 0x0001_0001;
+        std::array::from_fn(|i| (a[i] << s) & keep)
+    }
+    #[inline(always)]
+    unsafe fn dpbusd(acc: [u32; 16], a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
+        std::array::from_fn(|i| {
+            let (x, y) = (a[i].to_le_bytes(), b[i].to_le_bytes());
+            let s: i32 = (0..4).map(|j| x[j] as i32 * y[j] as i8 as i32).sum();
+            (acc[i] as i32).wrapping_add(s) as u32
+        })
+    }
+    #[inline(always)]
+    unsafe fn dpwssd(acc: [u32; 16], a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
+        std::array::from_fn(|i| {
+            let lo = (a[i] as u16 as i16 as i32) * (b[i] as u16 as i16 as i32);
+            let hi = ((a[i] >> 16) as u16 as i16 as i32) * ((b[i] >> 16) as u16 as i16 as i32);
+            (acc[i] as i32).wrapping_add(lo).wrapping_add(hi) as u32
+        })
+    }
+    #[inline(always)]
+    unsafe fn q8dot(acc: [u32; 16], w: [u32; 16], x: [u32; 16]) -> [u32; 16] {
+        // SAFETY: pure lane arithmetic.
+        unsafe { Self::dpbusd(acc, w, x) }
+    }
+    #[inline(always)]
+    unsafe fn add(a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
+        std::array::from_fn(|i| a[i].wrapping_add(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn mullo(a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
+        std::array::from_fn(|i| a[i].wrapping_mul(b[i]))
+    }
+    #[inline(always)]
+    unsafe fn load_u8_i32(p: *const u8) -> [u32; 16] {
+        // SAFETY: caller: 16 readable bytes.
+        std::array::from_fn(|i| unsafe { *p.add(i) } as u32)
+    }
+    #[inline(always)]
+    unsafe fn load_i8_i32(p: *const u8) -> [u32; 16] {
+        // SAFETY: caller: 16 readable bytes.
+        std::array::from_fn(|i| unsafe { *p.add(i) } as i8 as i32 as u32)
+    }
+    #[inline(always)]
+    unsafe fn load_u8_i16(p: *const u8) -> [u32; 16] {
+        // SAFETY: caller: 32 readable bytes.
+        std::array::from_fn(|i| unsafe { *p.add(2 * i) as u32 | ((*p.add(2 * i + 1) as u32) << 16) })
+    }
+    #[inline(always)]
+    unsafe fn load_f16(p: *const u8) -> [f32; 16] {
+        // SAFETY: caller: 32 readable bytes.
+        std::array::from_fn(|i| f16_to_f32(unsafe { (p.add(2 * i) as *const u16).read_unaligned() }))
+    }
+    #[inline(always)]
+    unsafe fn fbcast(v: f32) -> [f32; 16] {
+        [v; 16]
+    }
+    #[inline(always)]
+    unsafe fn cvt(a: [u32; 16]) -> [f32; 16] {
+        std::array::from_fn(|i| a[i] as i32 as f32)
+    }
+    #[inline(always)]
+    unsafe fn mul(a: [f32; 16], b: [f32; 16]) -> [f32; 16] {
+        std::array::from_fn(|i| a[i] * b[i])
+    }
+    #[inline(always)]
+    unsafe fn fmadd(a: [f32; 16], b: [f32; 16], c: [f32; 16]) -> [f32; 16] {
+        std::array::from_fn(|i| a[i].mul_add(b[i], c[i]))
+    }
+    #[inline(always)]
+    unsafe fn fnmadd(a: [f32; 16], b: [f32; 16], c: [f32; 16]) -> [f32; 16] {
+        std::array::from_fn(|i| (-a[i]).mul_add(b[i], c[i]))
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: [f32; 16]) {
+        // SAFETY: caller: 16 writable floats.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p, 16) };
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::*;
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn f16x1(bits: u16) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    /// AVX-512 VNNI: 16 columns per register.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx512;
+
+    impl Simd for Avx512 {
+        const LANES: usize = 16;
+        const Q8_BIASED: bool = true;
+        type I = __m512i;
+        type F = __m512;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn zero() -> __m512i {
+            _mm512_setzero_si512()
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn fzero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn load(p: *const u8) -> __m512i {
+            unsafe { _mm512_loadu_si512(p as *const _) }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn bcast(p: *const u8) -> __m512i {
+            _mm512_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn set1_i8(v: i8) -> __m512i {
+            _mm512_set1_epi8(v)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn and(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_and_si512(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_or_si512(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn shr16(a: __m512i, s: u32) -> __m512i {
+            _mm512_srl_epi16(a, _mm_cvtsi32_si128(s as i32))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn shl16(a: __m512i, s: u32) -> __m512i {
+            _mm512_sll_epi16(a, _mm_cvtsi32_si128(s as i32))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn dpbusd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            _mm512_dpbusd_epi32(acc, a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            _mm512_dpwssd_epi32(acc, a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn q8dot(acc: __m512i, w: __m512i, x: __m512i) -> __m512i {
+            _mm512_dpbusd_epi32(acc, w, x)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn add(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_add_epi32(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn mullo(a: __m512i, b: __m512i) -> __m512i {
+            _mm512_mullo_epi32(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn load_u8_i32(p: *const u8) -> __m512i {
+            _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) })
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn load_i8_i32(p: *const u8) -> __m512i {
+            _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) })
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn load_u8_i16(p: *const u8) -> __m512i {
+            _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn load_f16(p: *const u8) -> __m512 {
+            _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn fbcast(v: f32) -> __m512 {
+            _mm512_set1_ps(v)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn cvt(a: __m512i) -> __m512 {
+            _mm512_cvtepi32_ps(a)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn fnmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fnmadd_ps(a, b, c)
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
     }
 
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn hsum8(x: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
-    }
+    /// The 256-bit paths: 8 columns per register. `VNNI` selects `vpdpbusd` (AVX-VNNI) over
+    /// the AVX2 `maddubs` + `madd` emulation.
+    #[derive(Clone, Copy)]
+    pub(crate) struct Avx256<const VNNI: bool>;
 
-    /// Four rows' 8-lane i32 sums → `[r0 r1 r2 r3 | r0 r1 r2 r3]` partial sums as f32 (each
-    /// row's lanes are added only among themselves, so a row's result ignores the others),
-    /// minus `off[r] << shift` from the first half (exact integer offsets, if any).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn reduce4(s: [__m256i; 4], off: Option<(&[i32], i32)>) -> __m256 {
-        let h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        let h = match off {
-            Some((o, shift)) => {
-                assert!(o.len() >= 4);
-                // SAFETY: at least 16 readable bytes.
-                let o = unsafe { _mm_loadu_si128(o.as_ptr() as *const __m128i) };
-                let o = _mm_sll_epi32(o, _mm_cvtsi32_si128(shift));
-                _mm256_sub_epi32(h, _mm256_zextsi128_si256(o))
+    macro_rules! impl256 {
+        ($vnni:literal, $tf:literal, $dpbusd:expr, $dpwssd:expr, $q8:expr, $biased:expr) => {
+            impl Simd for Avx256<$vnni> {
+                const LANES: usize = 8;
+                const Q8_BIASED: bool = $biased;
+                type I = __m256i;
+                type F = __m256;
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn zero() -> __m256i {
+                    _mm256_setzero_si256()
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn fzero() -> __m256 {
+                    _mm256_setzero_ps()
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn load(p: *const u8) -> __m256i {
+                    unsafe { _mm256_loadu_si256(p as *const __m256i) }
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn bcast(p: *const u8) -> __m256i {
+                    _mm256_set1_epi32(unsafe { (p as *const i32).read_unaligned() })
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn set1_i8(v: i8) -> __m256i {
+                    _mm256_set1_epi8(v)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn and(a: __m256i, b: __m256i) -> __m256i {
+                    _mm256_and_si256(a, b)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
+                    _mm256_or_si256(a, b)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn shr16(a: __m256i, s: u32) -> __m256i {
+                    _mm256_srl_epi16(a, _mm_cvtsi32_si128(s as i32))
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn shl16(a: __m256i, s: u32) -> __m256i {
+                    _mm256_sll_epi16(a, _mm_cvtsi32_si128(s as i32))
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn dpbusd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+                    $dpbusd(acc, a, b)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn dpwssd(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+                    $dpwssd(acc, a, b)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn q8dot(acc: __m256i, w: __m256i, x: __m256i) -> __m256i {
+                    $q8(acc, w, x)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn add(a: __m256i, b: __m256i) -> __m256i {
+                    _mm256_add_epi32(a, b)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn mullo(a: __m256i, b: __m256i) -> __m256i {
+                    _mm256_mullo_epi32(a, b)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn load_u8_i32(p: *const u8) -> __m256i {
+                    _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn load_i8_i32(p: *const u8) -> __m256i {
+                    _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn load_u8_i16(p: *const u8) -> __m256i {
+                    _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p as *const __m128i) })
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn load_f16(p: *const u8) -> __m256 {
+                    _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p as *const __m128i) })
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn fbcast(v: f32) -> __m256 {
+                    _mm256_set1_ps(v)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn cvt(a: __m256i) -> __m256 {
+                    _mm256_cvtepi32_ps(a)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+                    _mm256_mul_ps(a, b)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+                    _mm256_fmadd_ps(a, b, c)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn fnmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+                    _mm256_fnmadd_ps(a, b, c)
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn store(p: *mut f32, v: __m256) {
+                    unsafe { _mm256_storeu_ps(p, v) }
+                }
             }
-            None => h,
         };
-        _mm256_cvtepi32_ps(h)
     }
 
-    /// `[v0 v1 v2 v3 | v0 v1 v2 v3]` from `v[0..4]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn bcast4(v: &[f32; 4]) -> __m256 {
-        // SAFETY: `v` is 16 readable bytes.
-        unsafe { _mm256_broadcast_ps(&*(v.as_ptr() as *const __m128)) }
+    fn dpbusd_avx2(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+        _mm256_add_epi32(acc, p)
     }
 
-    /// Fold rows `0..R` of `s` into the `[r0..r3 | r0..r3]`-style accumulators (rows 0..4 in
-    /// `acc[0]`, 4..8 in `acc[1]`), minus the integer offsets `off[r] << shift` if given, and
-    /// scaled by `d · dv[r]`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn fold<const R: usize>(
-        s: &[__m256i; 8],
-        off: Option<(&[i32; 8], i32)>,
-        d: f32,
-        dv: &[f32; 8],
-        acc: &mut [__m256; 2],
-    ) {
-        let d = _mm256_set1_ps(d);
-        let (lo, hi) = dv.split_at(4);
-        let lo: &[f32; 4] = lo.try_into().expect("4");
-        let hi: &[f32; 4] = hi.try_into().expect("4");
-        let scale = _mm256_mul_ps(d, bcast4(lo));
-        let o = off.map(|(o, sh)| (&o[0..4], sh));
-        acc[0] = _mm256_fmadd_ps(reduce4([s[0], s[1], s[2], s[3]], o), scale, acc[0]);
-        if R > 4 {
-            let scale = _mm256_mul_ps(d, bcast4(hi));
-            let o = off.map(|(o, sh)| (&o[4..8], sh));
-            acc[1] = _mm256_fmadd_ps(reduce4([s[4], s[5], s[6], s[7]], o), scale, acc[1]);
-        }
+    fn dpwssd_avx2(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
     }
 
-    /// Per-row results of the accumulators of [`fold`].
+    /// `Σ w · x` for `w` stored as `w + 128`: |w| · sign(x, w) keeps `maddubs` from saturating.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn rows<const R: usize>(acc: &[__m256; 2]) -> [f32; R] {
-        let mut all = [0f32; 8];
-        for (h, a) in acc.iter().enumerate() {
-            let s = _mm_add_ps(_mm256_extractf128_ps(*a, 1), _mm256_castps256_ps128(*a));
-            // SAFETY: 16 writable bytes at 4h.
-            unsafe { _mm_storeu_ps(all.as_mut_ptr().add(4 * h), s) };
-        }
-        std::array::from_fn(|r| all[r])
+    fn q8dot_avx2(acc: __m256i, wb: __m256i, x: __m256i) -> __m256i {
+        let w = _mm256_xor_si256(wb, _mm256_set1_epi8(-128));
+        let p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+        _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
     }
 
-    /// Unaligned 32-byte load.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    fn dpbusd_vnni(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(acc, a, b)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    fn dpwssd_vnni(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        _mm256_dpwssd_avx_epi32(acc, a, b)
+    }
+
+    impl256!(false, "avx2,fma,f16c", dpbusd_avx2, dpwssd_avx2, q8dot_avx2, false);
+    impl256!(true, "avx2,fma,f16c,avxvnni", dpbusd_vnni, dpwssd_vnni, dpbusd_vnni, true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Formats: repacking, dequantization and the per-block kernel.
+
+/// A weight format with a repacked layout and a kernel.
+pub(crate) trait Format: Send + Sync + 'static {
+    const NAME: &'static str;
+    /// The GGML block on disk.
+    type Raw: Copy;
+    type Act: ActBlock;
+    /// Values per block.
+    const BLOCK: usize;
+    /// Bytes of quant data per (group, block): a multiple of 64.
+    const MAIN: usize;
+    /// Bytes of float scales per (group, block).
+    const AUX: usize;
+    fn decode(raw: &Self::Raw) -> ColBlock;
+    /// Write column `col`'s block into a zeroed (group, block) slot.
+    fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock);
+    fn read(main: &[u8], aux: &[u8], col: usize) -> ColBlock;
+    /// Candle's dequantization of one block.
+    fn dequant(b: &ColBlock, out: &mut [f32]);
+    /// Accumulate one block for `R` rows into `out` (lanes of half `half` of the group).
     ///
     /// # Safety
-    /// `p` must point to 32 readable bytes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn load32<T>(p: *const T) -> __m256i {
-        unsafe { _mm256_loadu_si256(p as *const __m256i) }
-    }
+    /// `main`/`aux` point at a (group, block) slot, `acts[r]` at live activation blocks; the
+    /// CPU supports `S`'s features.
+    unsafe fn block<S: Simd, const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        half: usize,
+        acts: &[*const Self::Act; R],
+        out: &mut [S::F; R],
+    );
+}
 
-    /// 32 nibbles of 16 bytes: low nibbles then high nibbles.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn nibbles32(p: &[u8; 16]) -> __m256i {
-        // SAFETY: 16 readable bytes.
-        let t = unsafe { _mm_loadu_si128(p.as_ptr() as *const __m128i) };
-        let b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
-        _mm256_and_si256(b, _mm256_set1_epi8(0x0F))
-    }
+/// Byte of the 4-bit plane holding value `k` of column `col` (`nk` k-groups per block), and
+/// whether it is the high nibble.
+#[inline]
+fn nib_pos(k: usize, col: usize, nk: usize) -> (usize, bool) {
+    let g = k / 4;
+    let half = nk / 2;
+    ((g % half) * 64 + 4 * col + k % 4, g >= half)
+}
 
-    /// Byte `e` = 0xFF if bit `e` of `bits` is set, else 0.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn bits32(bits: u32) -> __m256i {
-        let t = _mm256_set1_epi32(bits as i32);
-        let shuf = _mm256_setr_epi64x(
-            0x0000_0000_0000_0000,
-            0x0101_0101_0101_0101,
-            0x0202_0202_0202_0202,
-            0x0303_0303_0303_0303,
-        );
-        let b = _mm256_shuffle_epi8(t, shuf);
-        let mask = _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe_u64 as i64);
-        _mm256_cmpeq_epi8(_mm256_or_si256(b, mask), _mm256_set1_epi64x(-1))
+fn put_nib(plane: &mut [u8], k: usize, col: usize, nk: usize, v: u8) {
+    let (i, hi) = nib_pos(k, col, nk);
+    plane[i] |= if hi { (v & 0xF) << 4 } else { v & 0xF };
+}
+
+fn get_nib(plane: &[u8], k: usize, col: usize, nk: usize) -> u8 {
+    let (i, hi) = nib_pos(k, col, nk);
+    if hi {
+        plane[i] >> 4
+    } else {
+        plane[i] & 0xF
     }
 }
 
-const KZERO: ActK = ActK {
-    qs: [0; 256],
-    bsums16: [0; 16],
-    dbs32: [0.0; 8],
-    d: 0.0,
-};
-
-const ZERO32: Act32 = Act32 {
-    qs: [0; 32],
-    d: 0.0,
-    sum: 0,
-};
-
-#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
-impl QFormat for BlockQ4K {
-    type Act = ActK;
-    const BLOCK: usize = QK_K;
-    const NAME: &'static str = "Q4K";
-
-    fn act_zero() -> ActK {
-        KZERO
-    }
-
-    fn quantize_block(x: &[f32]) -> ActK {
-        quantize_k(x)
-    }
-
-    fn act_scales(a: &ActK) -> (f32, i32) {
-        (a.d, 0)
-    }
-
-    fn dequantize(w: &[Self], out: &mut [f32]) {
-        for (b, y) in w.iter().zip(out.chunks_exact_mut(QK_K)) {
-            let d = f16_to_f32(b.d);
-            let dmin = f16_to_f32(b.dmin);
-            for j in 0..4 {
-                let (s1, m1) = q4k_scale_min(2 * j, &b.scales);
-                let (s2, m2) = q4k_scale_min(2 * j + 1, &b.scales);
-                let (d1, m1) = (d * s1 as f32, dmin * m1 as f32);
-                let (d2, m2) = (d * s2 as f32, dmin * m2 as f32);
-                for l in 0..32 {
-                    let q = b.qs[32 * j + l];
-                    y[64 * j + l] = d1 * (q & 0xF) as f32 - m1;
-                    y[64 * j + 32 + l] = d2 * (q >> 4) as f32 - m2;
-                }
-            }
+/// The 4-bit values of k-group `g` (`nk` per block) for the lanes of `half`.
+#[inline(always)]
+unsafe fn nibbles<S: Simd>(plane: *const u8, g: usize, nk: usize, half: usize, m4: S::I) -> S::I {
+    // SAFETY: caller: `plane` covers `nk / 2` lines.
+    unsafe {
+        let v = S::load(plane.add((g % (nk / 2)) * 64 + 32 * half));
+        if g >= nk / 2 {
+            S::and(S::shr16(v, 4), m4)
+        } else {
+            S::and(v, m4)
         }
     }
+}
 
-    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
-        let mut out = [0f32; R];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16_to_f32(b.d);
-            let dmin = f16_to_f32(b.dmin);
-            let sm = q4k_scales_mins(&b.scales);
-            for (o, a) in out.iter_mut().zip(&t.a) {
-                let mut sumi = 0i32;
-                for j in 0..4 {
-                    let (mut lo, mut hi) = (0i32, 0i32);
-                    for l in 0..32 {
-                        let q = b.qs[32 * j + l];
-                        lo += (q & 0xF) as i32 * a.qs[64 * j + l] as i32;
-                        hi += (q >> 4) as i32 * a.qs[64 * j + 32 + l] as i32;
-                    }
-                    sumi += sm[2 * j] as i32 * lo + sm[2 * j + 1] as i32 * hi;
-                }
-                let mins: f32 = (0..8).map(|j| sm[8 + j] as f32 * a.dbs32[j]).sum();
-                *o += d * a.d * sumi as f32 - dmin * mins;
-            }
+#[inline(always)]
+unsafe fn bcast_q<A>(a: *const A, byte: usize) -> *const u8 {
+    // SAFETY: caller: inside the block's `qs` (at offset 0 of both activation types).
+    unsafe { (a as *const u8).add(byte) }
+}
+
+/// Float epilogue shared by the 32-value formats: `out += cvt(acc) · (d · xd)`.
+#[inline(always)]
+unsafe fn epi32<S: Simd, const R: usize>(
+    d: S::F,
+    acc: &[S::I; R],
+    acts: &[*const Act32; R],
+    out: &mut [S::F; R],
+) {
+    for r in 0..R {
+        // SAFETY: caller: live activation blocks.
+        unsafe {
+            let xd = S::fbcast((*acts[r]).d);
+            out[r] = S::fmadd(S::cvt(acc[r]), S::mul(d, xd), out[r]);
         }
-        out
     }
+}
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
-        use x86::*;
-        assert!(tile.len() >= w.len());
-        let m4 = _mm256_set1_epi8(0x0F);
-        let mut acc = [_mm256_setzero_ps(); 2];
-        let mut accm = [_mm256_setzero_ps(); R];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16x1(b.d);
-            let dmin = f16x1(b.dmin);
-            let [w0, w1, w2, w3] = q4k_scales_mins_u32(&b.scales);
-            let sm = _mm_setr_epi32(w0 as i32, w1 as i32, w2 as i32, w3 as i32);
-            // Scales as i16 in both 128-bit halves; lane j picked per sub-block by a shuffle.
-            let sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi64(sm, sm));
-            let minf = _mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(sm, sm))),
-                _mm256_set1_ps(dmin),
-            );
-            let mut s = [_mm256_setzero_si256(); 8];
-            for j in 0..4 {
-                // SAFETY: qs has 128 bytes; 32 * j + 32 <= 128.
-                let q = unsafe { load32(b.qs.as_ptr().add(32 * j)) };
-                let lo = _mm256_and_si256(q, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-                let pick = |i: usize| _mm256_set1_epi16((((2 * i + 1) << 8) | (2 * i)) as i16);
-                let s_lo = _mm256_shuffle_epi8(sc, pick(2 * j));
-                let s_hi = _mm256_shuffle_epi8(sc, pick(2 * j + 1));
-                for r in 0..R {
-                    let a = &t.a[r];
-                    // SAFETY: a.qs has 256 bytes; 64 * j + 64 <= 256.
-                    let (yl, yh) = unsafe {
-                        (
-                            load32(a.qs.as_ptr().add(64 * j)),
-                            load32(a.qs.as_ptr().add(64 * j + 32)),
-                        )
-                    };
-                    let pl = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, yl), s_lo);
-                    let ph = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, yh), s_hi);
-                    s[r] = _mm256_add_epi32(s[r], _mm256_add_epi32(pl, ph));
-                }
-            }
-            fold::<R>(&s, None, d, &t.d, &mut acc);
+/// Q4_K sub-block `4·HI + j` (k-groups `8j..8j+8` of the low or high nibbles): its integer
+/// dot times its scale, added to `sumi`.
+#[inline(always)]
+unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        let sb = 4 * HI as usize + j;
+        let sc = S::load_u8_i32(main.add(2048 + 16 * sb + S::LANES * half));
+        let mut a = [S::zero(); R];
+        let mut b = [S::zero(); R];
+        for t in 0..8 {
+            let c = 8 * j + t;
+            let v = S::load(main.add(64 * c + 32 * half));
+            let w = if HI { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+            let g = 32 * HI as usize + c;
             for r in 0..R {
-                // SAFETY: dbs32 is 8 floats.
-                let bs = unsafe { _mm256_loadu_ps(t.a[r].dbs32.as_ptr()) };
-                accm[r] = _mm256_fmadd_ps(minf, bs, accm[r]);
+                let x = S::bcast(bcast_q(acts[r], 4 * g));
+                if R <= 2 && t % 2 == 1 {
+                    b[r] = S::dpbusd(b[r], w, x);
+                } else {
+                    a[r] = S::dpbusd(a[r], w, x);
+                }
             }
         }
-        let mut out = rows::<R>(&acc);
         for r in 0..R {
-            out[r] -= hsum8(accm[r]);
+            let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
+            sumi[r] = S::add(sumi[r], S::mullo(s, sc));
         }
-        out
     }
 }
 
-#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
-impl QFormat for BlockQ6K {
+/// Q6_K sub-block `4·Q + j` (k-groups `16Q + 4j ..+4`; quarter `Q` fixes the nibble and the
+/// shift of the high bits): scale · (dot − 32 Σx), added to `sumi`.
+#[inline(always)]
+unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        let m30 = S::set1_i8(0x30);
+        let sb = 4 * Q + j;
+        let sc = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
+        let mut a = [S::zero(); R];
+        for r in 0..R {
+            a[r] = S::bcast((*acts[r]).init16.as_ptr().add(sb) as *const u8);
+        }
+        let mut b = [S::zero(); R];
+        for t in 0..4 {
+            let g = 16 * Q + 4 * j + t;
+            let v = S::load(main.add(64 * (g % 32) + 32 * half));
+            let lo = if Q >= 2 { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+            let hv = S::load(main.add(2048 + 64 * (4 * j + t) + 32 * half));
+            let hb = match Q {
+                0 => S::shl16(hv, 4),
+                1 => S::shl16(hv, 2),
+                2 => hv,
+                _ => S::shr16(hv, 2),
+            };
+            let w = S::or(lo, S::and(hb, m30));
+            for r in 0..R {
+                let x = S::bcast(bcast_q(acts[r], 4 * g));
+                if R <= 2 && t % 2 == 1 {
+                    b[r] = S::dpbusd(b[r], w, x);
+                } else {
+                    a[r] = S::dpbusd(a[r], w, x);
+                }
+            }
+        }
+        for r in 0..R {
+            let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
+            sumi[r] = S::add(sumi[r], S::mullo(s, sc));
+        }
+    }
+}
+
+pub(crate) struct Q4K;
+pub(crate) struct Q6K;
+pub(crate) struct Q5_0;
+pub(crate) struct Q8_0;
+pub(crate) struct Q4_1;
+
+impl Format for Q4K {
+    const NAME: &'static str = "Q4K";
+    type Raw = BlockQ4K;
     type Act = ActK;
     const BLOCK: usize = QK_K;
+    // 32 nibble lines, 8 × 16 scales, 4 × 32 mins.
+    const MAIN: usize = 2048 + 128 + 128;
+    const AUX: usize = 64;
+
+    fn decode(b: &BlockQ4K) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        let sm = q4k_scales_mins(&b.scales);
+        c.sc[..8].copy_from_slice(&sm[..8]);
+        c.mins.copy_from_slice(&sm[8..]);
+        for j in 0..4 {
+            for l in 0..32 {
+                let q = b.qs[32 * j + l];
+                c.q[64 * j + l] = q & 0xF;
+                c.q[64 * j + 32 + l] = q >> 4;
+            }
+        }
+        c.d = b.d;
+        c.d2 = b.dmin;
+        c
+    }
+
+    fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
+        for k in 0..QK_K {
+            put_nib(main, k, col, 64, b.q[k]);
+        }
+        for j in 0..8 {
+            main[2048 + 16 * j + col] = b.sc[j];
+        }
+        for p in 0..4 {
+            main[2048 + 128 + 32 * p + 2 * col] = b.mins[2 * p];
+            main[2048 + 128 + 32 * p + 2 * col + 1] = b.mins[2 * p + 1];
+        }
+        aux[2 * col..2 * col + 2].copy_from_slice(&b.d.to_le_bytes());
+        aux[32 + 2 * col..32 + 2 * col + 2].copy_from_slice(&b.d2.to_le_bytes());
+    }
+
+    fn read(main: &[u8], aux: &[u8], col: usize) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for k in 0..QK_K {
+            c.q[k] = get_nib(main, k, col, 64);
+        }
+        for j in 0..8 {
+            c.sc[j] = main[2048 + 16 * j + col];
+        }
+        for p in 0..4 {
+            c.mins[2 * p] = main[2048 + 128 + 32 * p + 2 * col];
+            c.mins[2 * p + 1] = main[2048 + 128 + 32 * p + 2 * col + 1];
+        }
+        c.d = u16::from_le_bytes([aux[2 * col], aux[2 * col + 1]]);
+        c.d2 = u16::from_le_bytes([aux[32 + 2 * col], aux[33 + 2 * col]]);
+        c
+    }
+
+    fn dequant(b: &ColBlock, y: &mut [f32]) {
+        let d = f16_to_f32(b.d);
+        let dmin = f16_to_f32(b.d2);
+        for j in 0..8 {
+            let d1 = d * b.sc[j] as f32;
+            let m1 = dmin * b.mins[j] as f32;
+            for l in 0..32 {
+                y[32 * j + l] = d1 * b.q[32 * j + l] as f32 - m1;
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block<S: Simd, const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        half: usize,
+        acts: &[*const ActK; R],
+        out: &mut [S::F; R],
+    ) {
+        // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+        unsafe {
+            let lanes = S::LANES;
+            let mut sumi = [S::zero(); R];
+            for j in 0..4 {
+                q4k_sub::<S, R, false>(main, j, half, acts, &mut sumi);
+            }
+            for j in 0..4 {
+                q4k_sub::<S, R, true>(main, j, half, acts, &mut sumi);
+            }
+            let d = S::load_f16(aux.add(2 * lanes * half));
+            for r in 0..R {
+                let xd = S::fbcast((*acts[r]).d);
+                out[r] = S::fmadd(S::cvt(sumi[r]), S::mul(d, xd), out[r]);
+            }
+            let mut summ = [S::zero(); R];
+            for p in 0..4 {
+                let mp = S::load_u8_i16(main.add(2048 + 128 + 32 * p + 2 * lanes * half));
+                for r in 0..R {
+                    let bs = S::bcast((*acts[r]).bs32p.as_ptr().add(p) as *const u8);
+                    summ[r] = S::dpwssd(summ[r], mp, bs);
+                }
+            }
+            let dmin = S::load_f16(aux.add(32 + 2 * lanes * half));
+            for r in 0..R {
+                let xd = S::fbcast((*acts[r]).d);
+                out[r] = S::fnmadd(S::cvt(summ[r]), S::mul(dmin, xd), out[r]);
+            }
+        }
+    }
+}
+
+impl Format for Q6K {
     const NAME: &'static str = "Q6K";
+    type Raw = BlockQ6K;
+    type Act = ActK;
+    const BLOCK: usize = QK_K;
+    // 32 low-nibble lines, 16 lines of 2-bit high parts, 16 × 16 scales.
+    const MAIN: usize = 2048 + 1024 + 256;
+    const AUX: usize = 32;
 
-    fn act_zero() -> ActK {
-        KZERO
-    }
-
-    fn quantize_block(x: &[f32]) -> ActK {
-        quantize_k(x)
-    }
-
-    fn act_scales(a: &ActK) -> (f32, i32) {
-        (a.d, 0)
-    }
-
-    fn dequantize(w: &[Self], out: &mut [f32]) {
-        for (b, y) in w.iter().zip(out.chunks_exact_mut(QK_K)) {
-            let d = f16_to_f32(b.d);
-            for h in 0..2 {
-                let ql = &b.ql[64 * h..];
-                let qh = &b.qh[32 * h..];
-                let sc = &b.scales[8 * h..];
-                let y = &mut y[128 * h..];
-                for l in 0..32 {
-                    let is = l / 16;
-                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
-                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
-                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
-                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
-                    y[l] = d * sc[is] as f32 * q1 as f32;
-                    y[l + 32] = d * sc[is + 2] as f32 * q2 as f32;
-                    y[l + 64] = d * sc[is + 4] as f32 * q3 as f32;
-                    y[l + 96] = d * sc[is + 6] as f32 * q4 as f32;
-                }
+    fn decode(b: &BlockQ6K) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for h in 0..2 {
+            for l in 0..32 {
+                let (ql0, ql1) = (b.ql[64 * h + l], b.ql[64 * h + 32 + l]);
+                let qh = b.qh[32 * h + l];
+                c.q[128 * h + l] = (ql0 & 0xF) | ((qh & 3) << 4);
+                c.q[128 * h + 32 + l] = (ql1 & 0xF) | (((qh >> 2) & 3) << 4);
+                c.q[128 * h + 64 + l] = (ql0 >> 4) | (((qh >> 4) & 3) << 4);
+                c.q[128 * h + 96 + l] = (ql1 >> 4) | (((qh >> 6) & 3) << 4);
             }
+        }
+        for j in 0..16 {
+            c.sc[j] = b.scales[j] as u8;
+        }
+        c.d = b.d;
+        c
+    }
+
+    fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
+        for k in 0..QK_K {
+            put_nib(main, k, col, 64, b.q[k]);
+            let g = k / 4;
+            main[2048 + (g % 16) * 64 + 4 * col + k % 4] |= ((b.q[k] >> 4) & 3) << (2 * (g / 16));
+        }
+        for j in 0..16 {
+            main[3072 + 16 * j + col] = b.sc[j];
+        }
+        aux[2 * col..2 * col + 2].copy_from_slice(&b.d.to_le_bytes());
+    }
+
+    fn read(main: &[u8], aux: &[u8], col: usize) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for k in 0..QK_K {
+            let g = k / 4;
+            let h = (main[2048 + (g % 16) * 64 + 4 * col + k % 4] >> (2 * (g / 16))) & 3;
+            c.q[k] = get_nib(main, k, col, 64) | (h << 4);
+        }
+        for j in 0..16 {
+            c.sc[j] = main[3072 + 16 * j + col];
+        }
+        c.d = u16::from_le_bytes([aux[2 * col], aux[2 * col + 1]]);
+        c
+    }
+
+    fn dequant(b: &ColBlock, y: &mut [f32]) {
+        let d = f16_to_f32(b.d);
+        for (k, o) in y.iter_mut().enumerate().take(QK_K) {
+            let q = b.q[k] as i32 - 32;
+            *o = d * (b.sc[k / 16] as i8) as f32 * q as f32;
         }
     }
 
-    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
-        let mut out = [0f32; R];
-        let mut q = [0u8; 256];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16_to_f32(b.d);
-            // Unsigned 6-bit values (the offset of 32 is applied through the input sums).
-            for h in 0..2 {
-                for l in 0..32 {
-                    let (ql0, ql1) = (b.ql[64 * h + l], b.ql[64 * h + 32 + l]);
-                    let qh = b.qh[32 * h + l];
-                    q[128 * h + l] = (ql0 & 0xF) | ((qh & 3) << 4);
-                    q[128 * h + 32 + l] = (ql1 & 0xF) | (((qh >> 2) & 3) << 4);
-                    q[128 * h + 64 + l] = (ql0 >> 4) | (((qh >> 4) & 3) << 4);
-                    q[128 * h + 96 + l] = (ql1 >> 4) | (((qh >> 6) & 3) << 4);
-                }
+    #[inline(always)]
+    unsafe fn block<S: Simd, const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        half: usize,
+        acts: &[*const ActK; R],
+        out: &mut [S::F; R],
+    ) {
+        // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+        unsafe {
+            let lanes = S::LANES;
+            let mut sumi = [S::zero(); R];
+            for j in 0..4 {
+                q6k_sub::<S, R, 0>(main, j, half, acts, &mut sumi);
             }
-            for (o, a) in out.iter_mut().zip(&t.a) {
-                let mut sumi = 0i32;
-                for s in 0..16 {
-                    let dot: i32 = (0..16)
-                        .map(|i| q[16 * s + i] as i32 * a.qs[16 * s + i] as i32)
-                        .sum();
-                    sumi += b.scales[s] as i32 * (dot - 32 * a.bsums16[s] as i32);
-                }
-                *o += d * a.d * sumi as f32;
+            for j in 0..4 {
+                q6k_sub::<S, R, 1>(main, j, half, acts, &mut sumi);
+            }
+            for j in 0..4 {
+                q6k_sub::<S, R, 2>(main, j, half, acts, &mut sumi);
+            }
+            for j in 0..4 {
+                q6k_sub::<S, R, 3>(main, j, half, acts, &mut sumi);
+            }
+            let d = S::load_f16(aux.add(2 * lanes * half));
+            for r in 0..R {
+                let xd = S::fbcast((*acts[r]).d);
+                out[r] = S::fmadd(S::cvt(sumi[r]), S::mul(d, xd), out[r]);
             }
         }
-        out
+    }
+}
+
+impl Format for Q5_0 {
+    const NAME: &'static str = "Q5_0";
+    type Raw = BlockQ5_0;
+    type Act = Act32;
+    const BLOCK: usize = 32;
+    // 4 nibble lines, 1 line of fifth bits (bit g of byte 4·col + i: value 4g + i).
+    const MAIN: usize = 320;
+    const AUX: usize = 32;
+
+    fn decode(b: &BlockQ5_0) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        let qh = u32::from_le_bytes(b.qh);
+        for j in 0..16 {
+            c.q[j] = (b.qs[j] & 0xF) | ((((qh >> j) & 1) as u8) << 4);
+            c.q[j + 16] = (b.qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+        }
+        c.d = b.d;
+        c
     }
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<ActK>]) -> [f32; R] {
-        use x86::*;
-        assert!(tile.len() >= w.len());
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m3 = _mm256_set1_epi8(0x03);
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16x1(b.d);
-            // SAFETY: scales has 16 bytes.
-            let sc8 = unsafe { _mm_loadu_si128(b.scales.as_ptr() as *const __m128i) };
-            let sc16 = _mm256_cvtepi8_epi16(sc8);
-            let mut s = [_mm256_setzero_si256(); 8];
-            for h in 0..2 {
-                // SAFETY: ql has 128 bytes, qh 64: 64h + 64 <= 128, 32h + 32 <= 64.
-                let (ql0, ql1, qh) = unsafe {
-                    (
-                        load32(b.ql.as_ptr().add(64 * h)),
-                        load32(b.ql.as_ptr().add(64 * h + 32)),
-                        load32(b.qh.as_ptr().add(32 * h)),
-                    )
+    fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
+        for k in 0..32 {
+            put_nib(main, k, col, 8, b.q[k]);
+            main[256 + 4 * col + k % 4] |= ((b.q[k] >> 4) & 1) << (k / 4);
+        }
+        aux[2 * col..2 * col + 2].copy_from_slice(&b.d.to_le_bytes());
+    }
+
+    fn read(main: &[u8], aux: &[u8], col: usize) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for k in 0..32 {
+            let h = (main[256 + 4 * col + k % 4] >> (k / 4)) & 1;
+            c.q[k] = get_nib(main, k, col, 8) | (h << 4);
+        }
+        c.d = u16::from_le_bytes([aux[2 * col], aux[2 * col + 1]]);
+        c
+    }
+
+    fn dequant(b: &ColBlock, y: &mut [f32]) {
+        let d = f16_to_f32(b.d);
+        for k in 0..32 {
+            y[k] = d * (b.q[k] as i32 - 16) as f32;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block<S: Simd, const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        half: usize,
+        acts: &[*const Act32; R],
+        out: &mut [S::F; R],
+    ) {
+        // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+        unsafe {
+            let m4 = S::set1_i8(0x0F);
+            let m10 = S::set1_i8(0x10);
+            let hv = S::load(main.add(256 + 32 * half));
+            let mut a = [S::zero(); R];
+            let mut b = [S::zero(); R];
+            for r in 0..R {
+                a[r] = S::bcast(&(*acts[r]).n16 as *const i32 as *const u8);
+            }
+            for g in 0..8 {
+                let lo = nibbles::<S>(main, g, 8, half, m4);
+                let hb = if g < 4 {
+                    S::shl16(hv, 4 - g as u32)
+                } else {
+                    S::shr16(hv, g as u32 - 4)
                 };
-                let hb = |v: __m256i| _mm256_slli_epi16(_mm256_and_si256(v, m3), 4);
-                let q = [
-                    _mm256_or_si256(_mm256_and_si256(ql0, m4), hb(qh)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, m4), hb(_mm256_srli_epi16(qh, 2))),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                        hb(_mm256_srli_epi16(qh, 4)),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        hb(_mm256_srli_epi16(qh, 6)),
-                    ),
-                ];
-                for (u, qt) in q.iter().enumerate() {
-                    // Scales of sub-blocks sb, sb + 1 as [sb ×8 | sb+1 ×8] i16 lanes.
-                    let sb = (8 * h + 2 * u) as i8;
-                    let (x, y) = (sb, sb + 1);
-                    let pick = _mm_setr_epi8(x, x, x, x, x, x, x, x, y, y, y, y, y, y, y, y);
-                    let scv = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc8, pick));
-                    for r in 0..R {
-                        // SAFETY: qs has 256 bytes; 128h + 32u + 32 <= 256.
-                        let v = unsafe { load32(t.a[r].qs.as_ptr().add(128 * h + 32 * u)) };
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*qt, v), scv);
-                        s[r] = _mm256_add_epi32(s[r], p);
+                let w = S::or(lo, S::and(hb, m10));
+                for r in 0..R {
+                    let x = S::bcast(bcast_q(acts[r], 4 * g));
+                    if R <= 2 && g % 2 == 1 {
+                        b[r] = S::dpbusd(b[r], w, x);
+                    } else {
+                        a[r] = S::dpbusd(a[r], w, x);
                     }
                 }
             }
-            for r in 0..R {
-                // SAFETY: bsums16 has 32 bytes.
-                let bs = unsafe { load32(t.a[r].bsums16.as_ptr()) };
-                let off = _mm256_slli_epi32(_mm256_madd_epi16(sc16, bs), 5);
-                s[r] = _mm256_sub_epi32(s[r], off);
+            if R <= 2 {
+                for r in 0..R {
+                    a[r] = S::add(a[r], b[r]);
+                }
             }
-            fold::<R>(&s, None, d, &t.d, &mut acc);
+            epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
         }
-        rows::<R>(&acc)
     }
 }
 
-#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
-impl QFormat for BlockQ5_0 {
-    type Act = Act32;
-    const BLOCK: usize = 32;
-    const NAME: &'static str = "Q5_0";
-
-    fn act_zero() -> Act32 {
-        ZERO32
-    }
-
-    fn quantize_block(x: &[f32]) -> Act32 {
-        quantize_32(x)
-    }
-
-    fn act_scales(a: &Act32) -> (f32, i32) {
-        (a.d, a.sum)
-    }
-
-    fn dequantize(w: &[Self], out: &mut [f32]) {
-        for (b, y) in w.iter().zip(out.chunks_exact_mut(32)) {
-            let d = f16_to_f32(b.d);
-            let qh = u32::from_le_bytes(b.qh);
-            for j in 0..16 {
-                let h0 = ((qh >> j) << 4) & 0x10;
-                let h1 = (qh >> (j + 12)) & 0x10;
-                let x0 = ((b.qs[j] as u32 & 0xF) | h0) as i32 - 16;
-                let x1 = ((b.qs[j] as u32 >> 4) | h1) as i32 - 16;
-                y[j] = d * x0 as f32;
-                y[j + 16] = d * x1 as f32;
-            }
-        }
-    }
-
-    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
-        let mut out = [0f32; R];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16_to_f32(b.d);
-            let qh = u32::from_le_bytes(b.qh);
-            let mut q = [0u8; 32];
-            for j in 0..16 {
-                q[j] = (b.qs[j] & 0xF) | ((((qh >> j) & 1) as u8) << 4);
-                q[j + 16] = (b.qs[j] >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
-            }
-            for (o, a) in out.iter_mut().zip(&t.a) {
-                let dot: i32 = q
-                    .iter()
-                    .zip(&a.qs)
-                    .map(|(&u, &v)| u as i32 * v as i32)
-                    .sum();
-                *o += d * a.d * (dot - 16 * a.sum) as f32;
-            }
-        }
-        out
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
-        use x86::*;
-        assert!(tile.len() >= w.len());
-        let ones = _mm256_set1_epi16(1);
-        let fifth = _mm256_set1_epi8(0x10);
-        let unpack = |b: &BlockQ5_0| {
-            let hi = _mm256_and_si256(bits32(u32::from_le_bytes(b.qh)), fifth);
-            _mm256_or_si256(nibbles32(&b.qs), hi)
-        };
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16x1(b.d);
-            let q = unpack(b);
-            let mut p = [_mm256_setzero_si256(); 8];
-            for r in 0..R {
-                // SAFETY: qs has 32 bytes.
-                let y = unsafe { load32(t.a[r].qs.as_ptr()) };
-                p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), ones);
-            }
-            // Offset 16 · Σ y, exactly.
-            fold::<R>(&p, Some((&t.s, 4)), d, &t.d, &mut acc);
-        }
-        rows::<R>(&acc)
-    }
-}
-
-#[allow(clippy::needless_range_loop)] // rows indexed in lockstep across arrays
-impl QFormat for BlockQ8_0 {
-    type Act = Act32;
-    const BLOCK: usize = 32;
+impl Format for Q8_0 {
     const NAME: &'static str = "Q8_0";
+    type Raw = BlockQ8_0;
+    type Act = Act32;
+    const BLOCK: usize = 32;
+    // 8 lines of `w + 128`.
+    const MAIN: usize = 512;
+    const AUX: usize = 32;
 
-    fn act_zero() -> Act32 {
-        ZERO32
+    fn decode(b: &BlockQ8_0) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for k in 0..32 {
+            c.q[k] = (b.qs[k] as u8) ^ 0x80;
+        }
+        c.d = b.d;
+        c
     }
 
-    fn quantize_block(x: &[f32]) -> Act32 {
-        quantize_32(x)
+    fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
+        for k in 0..32 {
+            main[(k / 4) * 64 + 4 * col + k % 4] = b.q[k];
+        }
+        aux[2 * col..2 * col + 2].copy_from_slice(&b.d.to_le_bytes());
     }
 
-    fn act_scales(a: &Act32) -> (f32, i32) {
-        (a.d, a.sum)
+    fn read(main: &[u8], aux: &[u8], col: usize) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for k in 0..32 {
+            c.q[k] = main[(k / 4) * 64 + 4 * col + k % 4];
+        }
+        c.d = u16::from_le_bytes([aux[2 * col], aux[2 * col + 1]]);
+        c
     }
 
-    fn dequantize(w: &[Self], out: &mut [f32]) {
-        for (b, y) in w.iter().zip(out.chunks_exact_mut(32)) {
-            let d = f16_to_f32(b.d);
-            for (o, &q) in y.iter_mut().zip(&b.qs) {
-                *o = d * q as f32;
-            }
+    fn dequant(b: &ColBlock, y: &mut [f32]) {
+        let d = f16_to_f32(b.d);
+        for k in 0..32 {
+            y[k] = d * ((b.q[k] ^ 0x80) as i8) as f32;
         }
     }
 
-    fn dot_scalar<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
-        let mut out = [0f32; R];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16_to_f32(b.d);
-            for (o, a) in out.iter_mut().zip(&t.a) {
-                let dot: i32 =
-                    b.qs.iter()
-                        .zip(&a.qs)
-                        .map(|(&u, &v)| u as i32 * v as i32)
-                        .sum();
-                *o += d * a.d * dot as f32;
+    #[inline(always)]
+    unsafe fn block<S: Simd, const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        half: usize,
+        acts: &[*const Act32; R],
+        out: &mut [S::F; R],
+    ) {
+        // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+        unsafe {
+            let mut a = [S::zero(); R];
+            let mut b = [S::zero(); R];
+            if S::Q8_BIASED {
+                for r in 0..R {
+                    a[r] = S::bcast(&(*acts[r]).n128 as *const i32 as *const u8);
+                }
             }
-        }
-        out
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_avx2<const R: usize>(w: &[Self], tile: &[TileBlock<Act32>]) -> [f32; R] {
-        use x86::*;
-        assert!(tile.len() >= w.len());
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for (b, t) in w.iter().zip(tile) {
-            let d = f16x1(b.d);
-            // SAFETY: qs has 32 bytes.
-            let q = unsafe { load32(b.qs.as_ptr()) };
-            let aq = _mm256_sign_epi8(q, q);
-            let mut p = [_mm256_setzero_si256(); 8];
-            for r in 0..R {
-                // SAFETY: qs has 32 bytes.
-                let y = unsafe { load32(t.a[r].qs.as_ptr()) };
-                p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(y, q)), ones);
+            for g in 0..8 {
+                let w = S::load(main.add(64 * g + 32 * half));
+                for r in 0..R {
+                    let x = S::bcast(bcast_q(acts[r], 4 * g));
+                    if R <= 2 && g % 2 == 1 {
+                        b[r] = S::q8dot(b[r], w, x);
+                    } else {
+                        a[r] = S::q8dot(a[r], w, x);
+                    }
+                }
             }
-            fold::<R>(&p, None, d, &t.d, &mut acc);
+            if R <= 2 {
+                for r in 0..R {
+                    a[r] = S::add(a[r], b[r]);
+                }
+            }
+            epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
         }
-        rows::<R>(&acc)
     }
 }
 
-/// Whether the AVX2 kernels can run here (checked once).
-pub(crate) fn has_avx2() -> bool {
+impl Format for Q4_1 {
+    const NAME: &'static str = "Q4_1";
+    type Raw = BlockQ4_1;
+    type Act = Act32;
+    const BLOCK: usize = 32;
+    const MAIN: usize = 256;
+    // d, then m.
+    const AUX: usize = 64;
+
+    fn decode(b: &BlockQ4_1) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for j in 0..16 {
+            c.q[j] = b.qs[j] & 0xF;
+            c.q[j + 16] = b.qs[j] >> 4;
+        }
+        c.d = b.d;
+        c.d2 = b.m;
+        c
+    }
+
+    fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
+        for k in 0..32 {
+            put_nib(main, k, col, 8, b.q[k]);
+        }
+        aux[2 * col..2 * col + 2].copy_from_slice(&b.d.to_le_bytes());
+        aux[32 + 2 * col..32 + 2 * col + 2].copy_from_slice(&b.d2.to_le_bytes());
+    }
+
+    fn read(main: &[u8], aux: &[u8], col: usize) -> ColBlock {
+        let mut c = ColBlock::ZERO;
+        for k in 0..32 {
+            c.q[k] = get_nib(main, k, col, 8);
+        }
+        c.d = u16::from_le_bytes([aux[2 * col], aux[2 * col + 1]]);
+        c.d2 = u16::from_le_bytes([aux[32 + 2 * col], aux[33 + 2 * col]]);
+        c
+    }
+
+    fn dequant(b: &ColBlock, y: &mut [f32]) {
+        let d = f16_to_f32(b.d);
+        let m = f16_to_f32(b.d2);
+        for k in 0..32 {
+            y[k] = (b.q[k] as f32) * d + m;
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block<S: Simd, const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        half: usize,
+        acts: &[*const Act32; R],
+        out: &mut [S::F; R],
+    ) {
+        // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+        unsafe {
+            let m4 = S::set1_i8(0x0F);
+            let mut a = [S::zero(); R];
+            let mut b = [S::zero(); R];
+            for g in 0..8 {
+                let w = nibbles::<S>(main, g, 8, half, m4);
+                for r in 0..R {
+                    let x = S::bcast(bcast_q(acts[r], 4 * g));
+                    if R <= 2 && g % 2 == 1 {
+                        b[r] = S::dpbusd(b[r], w, x);
+                    } else {
+                        a[r] = S::dpbusd(a[r], w, x);
+                    }
+                }
+            }
+            if R <= 2 {
+                for r in 0..R {
+                    a[r] = S::add(a[r], b[r]);
+                }
+            }
+            epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
+            let m = S::load_f16(aux.add(32 + 2 * S::LANES * half));
+            for r in 0..R {
+                out[r] = S::fmadd(m, S::fbcast((*acts[r]).xs), out[r]);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Packed matrices.
+
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+/// Software prefetch distance (bytes) when a group streams from memory: 4096, or
+/// `SEQUOIA_KERNEL_PF` (0 turns it off; read once).
+fn pf_dist() -> usize {
+    use std::sync::OnceLock;
+    static D: OnceLock<usize> = OnceLock::new();
+    *D.get_or_init(|| {
+        std::env::var("SEQUOIA_KERNEL_PF")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4096)
+    })
+}
+
+/// Prefetch the line at address `p` into L1 if it lies before `end`.
+#[inline(always)]
+fn prefetch(p: usize, end: usize) {
     #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static OK: OnceLock<bool> = OnceLock::new();
-        *OK.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
+    if p < end {
+        // SAFETY: prefetch has no architectural effect; the address is inside the buffer.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
+    let _ = (p, end);
+}
+
+/// An `n × k` matrix in the interleaved layout of format `F`.
+pub(crate) struct Packed<F: Format> {
+    data: Vec<Line>,
+    pub(crate) n: usize,
+    pub(crate) k: usize,
+    kb: usize,
+    /// Bytes per group (a multiple of 64).
+    gstride: usize,
+    _f: std::marker::PhantomData<F>,
+}
+
+impl<F: Format> Packed<F> {
+    pub(crate) fn groups(&self) -> usize {
+        self.n.div_ceil(G)
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `Line` is 64 plain bytes.
+        unsafe { std::slice::from_raw_parts(self.data.as_ptr() as *const u8, self.data.len() * 64) }
+    }
+
+    /// Heap bytes held.
+    pub(crate) fn size_bytes(&self) -> usize {
+        self.data.len() * 64
+    }
+
+    /// Repack `n` rows of `k / BLOCK` GGUF blocks each (`raw`: the tensor's bytes).
+    pub(crate) fn from_bytes(raw: &[u8], n: usize, k: usize) -> Self {
+        use rayon::prelude::*;
+        assert!(k.is_multiple_of(F::BLOCK));
+        let kb = k / F::BLOCK;
+        let size = std::mem::size_of::<F::Raw>();
+        assert_eq!(raw.len(), n * kb * size);
+        // SAFETY: in bounds (asserted); the GGML block types are `#[repr(C)]` integer
+        // aggregates for which every bit pattern is valid.
+        let block = |i: usize| unsafe {
+            std::ptr::read_unaligned(raw.as_ptr().add(i * size) as *const F::Raw)
+        };
+        let gstride = (kb * (F::MAIN + F::AUX)).div_ceil(64) * 64;
+        let groups = n.div_ceil(G);
+        let mut data = vec![Line([0; 64]); groups * gstride / 64];
+        // SAFETY: `Line` is 64 plain bytes.
+        let bytes: &mut [u8] = unsafe {
+            std::slice::from_raw_parts_mut(data.as_mut_ptr() as *mut u8, data.len() * 64)
+        };
+        bytes.par_chunks_mut(gstride).enumerate().for_each(|(gi, gb)| {
+            let (main, aux) = gb.split_at_mut(kb * F::MAIN);
+            for col in 0..G.min(n - gi * G) {
+                let row = gi * G + col;
+                for b in 0..kb {
+                    let cb = F::decode(&block(row * kb + b));
+                    F::write(
+                        &mut main[b * F::MAIN..(b + 1) * F::MAIN],
+                        &mut aux[b * F::AUX..(b + 1) * F::AUX],
+                        col,
+                        &cb,
+                    );
+                }
+            }
+        });
+        Packed {
+            data,
+            n,
+            k,
+            kb,
+            gstride,
+            _f: std::marker::PhantomData,
+        }
+    }
+
+    /// Candle's dequantization of row `row`.
+    pub(crate) fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
+        assert!(row < self.n && dst.len() == self.k);
+        let gb = &self.bytes()[(row / G) * self.gstride..][..self.gstride];
+        let (main, aux) = gb.split_at(self.kb * F::MAIN);
+        for (b, y) in dst.chunks_exact_mut(F::BLOCK).enumerate() {
+            let cb = F::read(
+                &main[b * F::MAIN..(b + 1) * F::MAIN],
+                &aux[b * F::AUX..(b + 1) * F::AUX],
+                row % G,
+            );
+            F::dequant(&cb, y);
+        }
+    }
+
+    /// Output columns of groups `groups` for all `m` rows of `acts`, on path `S` with row tiles
+    /// of up to `RT` rows.
+    ///
+    /// # Safety
+    /// The CPU supports `S`'s features; `out` wraps a live `m × n` output whose columns of these
+    /// groups no other thread writes meanwhile.
+    #[inline(always)]
+    unsafe fn run<S: Simd, const RT: usize>(
+        &self,
+        acts: &[F::Act],
+        m: usize,
+        groups: std::ops::Range<usize>,
+        out: OutPtr,
+    ) {
+        assert_eq!(acts.len(), m * self.kb);
+        // Rows per cache block: a group's weights are reused for this many rows from L1/L2.
+        const RB: usize = 64;
+        let halves = G / S::LANES;
+        let dist = pf_dist();
+        for r0 in (0..m).step_by(RB) {
+            let r1 = (r0 + RB).min(m);
+            for gi in groups.clone() {
+                for t0 in (r0..r1).step_by(RT) {
+                    let rows = (r1 - t0).min(RT);
+                    for half in 0..halves {
+                        // The first pass over a group streams it from memory: prefetch ahead.
+                        let pf = if t0 == 0 && half == 0 { dist } else { 0 };
+                        macro_rules! go {
+                            ($($n:literal)*) => {
+                                match rows {
+                                    $($n => unsafe { self.tile::<S, $n>(acts, t0, gi, half, out, pf) },)*
+                                    _ => unreachable!(),
+                                }
+                            };
+                        }
+                        if RT == 8 {
+                            go!(1 2 3 4 5 6 7 8);
+                        } else {
+                            go!(1 2 3 4);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn tile<S: Simd, const R: usize>(
+        &self,
+        acts: &[F::Act],
+        t0: usize,
+        gi: usize,
+        half: usize,
+        out: OutPtr,
+        pf: usize,
+    ) {
+        let base = self.bytes().as_ptr();
+        let end = base as usize + self.size_bytes();
+        let kb = self.kb;
+        // SAFETY: group `gi` exists (caller), so its slot is inside `data`; rows `t0..t0 + R`
+        // exist in `acts`.
+        unsafe {
+            let g = base.add(gi * self.gstride);
+            let aux = g.add(kb * F::MAIN);
+            let rows: [*const F::Act; R] = std::array::from_fn(|r| acts.as_ptr().add((t0 + r) * kb));
+            let mut acc = [S::fzero(); R];
+            for b in 0..kb {
+                if pf > 0 {
+                    let m = g.add(b * F::MAIN) as usize;
+                    for l in (0..F::MAIN).step_by(64) {
+                        prefetch(m + pf + l, end);
+                    }
+                    prefetch(aux.add(b * F::AUX) as usize + pf, end);
+                }
+                let a: [*const F::Act; R] = std::array::from_fn(|r| rows[r].add(b));
+                F::block::<S, R>(g.add(b * F::MAIN), aux.add(b * F::AUX), half, &a, &mut acc);
+            }
+            let c0 = gi * G + half * S::LANES;
+            let valid = S::LANES.min(self.n.saturating_sub(c0));
+            for (r, v) in acc.iter().enumerate() {
+                if valid == S::LANES {
+                    S::store(out.at(t0 + r, c0, valid), *v);
+                } else if valid > 0 {
+                    let mut tmp = [0f32; 16];
+                    S::store(tmp.as_mut_ptr(), *v);
+                    std::ptr::copy_nonoverlapping(tmp.as_ptr(), out.at(t0 + r, c0, valid), valid);
+                }
+            }
+        }
+    }
+
+    /// See [`Self::run`]; `isa` must be available ([`Isa::available`]).
+    ///
+    /// # Safety
+    /// As [`Self::run`].
+    pub(crate) unsafe fn columns(
+        &self,
+        isa: Isa,
+        acts: &[F::Act],
+        m: usize,
+        groups: std::ops::Range<usize>,
+        out: OutPtr,
+    ) {
+        assert!(isa.available(), "{isa:?} kernels unavailable on this CPU");
+        // SAFETY: features checked; the rest is the caller's contract.
+        unsafe {
+            match isa {
+                Isa::Scalar => self.run::<Scalar, 4>(acts, m, groups, out),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => run_avx2(self, acts, m, groups, out),
+                #[cfg(target_arch = "x86_64")]
+                Isa::AvxVnni => run_avxvnni(self, acts, m, groups, out),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512Vnni => run_avx512(self, acts, m, groups, out),
+                #[cfg(not(target_arch = "x86_64"))]
+                _ => unreachable!(),
+            }
+        }
     }
 }
 
-/// Columns per cache tile (weight rows revisited for every row tile).
-const COL_TILE: usize = 8;
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn run_avx512<F: Format>(
+    p: &Packed<F>,
+    acts: &[F::Act],
+    m: usize,
+    groups: std::ops::Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: caller.
+    unsafe { p.run::<x86::Avx512, 8>(acts, m, groups, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+unsafe fn run_avxvnni<F: Format>(
+    p: &Packed<F>,
+    acts: &[F::Act],
+    m: usize,
+    groups: std::ops::Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: caller.
+    unsafe { p.run::<x86::Avx256<true>, 4>(acts, m, groups, out) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_avx2<F: Format>(
+    p: &Packed<F>,
+    acts: &[F::Act],
+    m: usize,
+    groups: std::ops::Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: caller.
+    unsafe { p.run::<x86::Avx256<false>, 4>(acts, m, groups, out) }
+}
+
+// ---------------------------------------------------------------------------------------------
+// ISA selection.
+
+/// A kernel path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable lanes (reference).
+    Scalar,
+    /// AVX2 + FMA + F16C (`maddubs` + `madd`).
+    Avx2,
+    /// 256-bit `vpdpbusd` (AVX-VNNI).
+    AvxVnni,
+    /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI).
+    Avx512Vnni,
+}
+
+impl Isa {
+    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
+
+    /// The name `SEQUOIA_KERNEL_ISA` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
+            Isa::Avx512Vnni => "avx512vnni",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<Isa> {
+        Isa::ALL.into_iter().find(|i| i.name() == s.trim().to_ascii_lowercase())
+    }
+
+    /// Whether this CPU runs the path.
+    pub fn available(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c");
+            match self {
+                Isa::Scalar => true,
+                Isa::Avx2 => avx2,
+                Isa::AvxVnni => avx2 && is_x86_feature_detected!("avxvnni"),
+                Isa::Avx512Vnni => {
+                    avx2 && is_x86_feature_detected!("avx512f")
+                        && is_x86_feature_detected!("avx512bw")
+                        && is_x86_feature_detected!("avx512vnni")
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            self == Isa::Scalar
+        }
+    }
+
+    /// The fastest available path.
+    pub fn best() -> Isa {
+        [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
+            .into_iter()
+            .find(|i| i.available())
+            .unwrap_or(Isa::Scalar)
+    }
+}
+
+/// The path the kernels use: `SEQUOIA_KERNEL_ISA` (scalar|avx2|avxvnni|avx512vnni) if set and
+/// available on this CPU, else [`Isa::best`]. Read once.
+pub(crate) fn isa() -> Isa {
+    use std::sync::OnceLock;
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let best = Isa::best();
+        match std::env::var("SEQUOIA_KERNEL_ISA") {
+            Ok(v) if !v.trim().is_empty() => match Isa::from_name(&v) {
+                Some(i) if i.available() => i,
+                Some(i) => {
+                    tracing::warn!(
+                        "SEQUOIA_KERNEL_ISA={v}: this CPU lacks {}; using {}",
+                        i.name(),
+                        best.name()
+                    );
+                    best
+                }
+                None => {
+                    tracing::warn!(
+                        "SEQUOIA_KERNEL_ISA={v}: unknown (scalar|avx2|avxvnni|avx512vnni); using {}",
+                        best.name()
+                    );
+                    best
+                }
+            },
+            _ => best,
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output.
 
 /// The row-major `m × n` output of a matmul, shared by the tasks that fill disjoint columns.
 #[derive(Clone, Copy)]
@@ -817,7 +1778,7 @@ pub(crate) struct OutPtr {
     len: usize,
 }
 
-// SAFETY: an `OutPtr` is only written through `store`, whose callers write disjoint elements.
+// SAFETY: an `OutPtr` is only written through `at`, whose callers write disjoint elements.
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
@@ -831,203 +1792,34 @@ impl OutPtr {
         }
     }
 
-    /// Write `vals[i]` to element `(r + i, c)`.
+    /// Pointer to element `(r, c)`, with `len` elements of the row writable from there.
     ///
     /// # Safety
-    /// The wrapped slice must still be alive and borrowed by nobody else, and no other thread
-    /// may write these elements concurrently.
+    /// The wrapped slice must still be alive; the caller writes only elements no other thread
+    /// writes.
     #[inline(always)]
-    pub(crate) unsafe fn store(self, r: usize, c: usize, vals: &[f32]) {
-        for (i, v) in vals.iter().enumerate() {
-            let idx = (r + i) * self.n + c;
-            assert!(idx < self.len, "matmul output index out of range");
-            // SAFETY: in bounds (checked) and exclusive (caller).
-            unsafe { *self.ptr.add(idx) = *v };
-        }
+    pub(crate) unsafe fn at(self, r: usize, c: usize, len: usize) -> *mut f32 {
+        let idx = r * self.n + c;
+        assert!(c + len <= self.n && idx + len <= self.len, "matmul output index out of range");
+        // SAFETY: in bounds (checked).
+        unsafe { self.ptr.add(idx) }
     }
-}
-
-/// The tiled loop over columns and row tiles shared by both paths; `$dot!(R, weight_row, tile)`
-/// computes `R` dot products.
-macro_rules! row_tiles {
-    ($dot:ident, $F:ty, $w:expr, $kb:expr, $cols:expr, $tiles:expr, $m:expr, $out:expr) => {{
-        let (w, kb, cols, tiles, m, out) = ($w, $kb, $cols, $tiles, $m, $out);
-        let col = |c: usize| -> &[$F] { &w[c * kb..(c + 1) * kb] };
-        macro_rules! tile {
-            ($n:literal, $r:expr, $ct:expr, $ce:expr, $tb:expr) => {{
-                for c in $ct..$ce {
-                    let res = $dot!($n, col(c), $tb);
-                    // SAFETY: this task owns columns `cols` (caller's contract).
-                    unsafe { out.store($r, c, &res) };
-                }
-            }};
-        }
-        for ct in cols.clone().step_by(COL_TILE) {
-            let ce = (ct + COL_TILE).min(cols.end);
-            for t in 0..m.div_ceil(ROW_TILE) {
-                let r = t * ROW_TILE;
-                let tb: &[TileBlock<<$F as QFormat>::Act>] = &tiles[t * kb..(t + 1) * kb];
-                match m - r {
-                    1 => tile!(1, r, ct, ce, tb),
-                    2 => tile!(2, r, ct, ce, tb),
-                    3 => tile!(3, r, ct, ce, tb),
-                    4 => tile!(4, r, ct, ce, tb),
-                    5 => tile!(5, r, ct, ce, tb),
-                    6 => tile!(6, r, ct, ce, tb),
-                    7 => tile!(7, r, ct, ce, tb),
-                    _ => tile!(8, r, ct, ce, tb),
-                }
-            }
-        }
-    }};
-}
-
-/// Output columns `cols` of `X · Wᵀ` for all `m` input rows (quantized into `tiles`), with the
-/// AVX2 kernels.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C ([`has_avx2`]); no other thread may write columns
-/// `cols` of `out` meanwhile, and `out` must wrap a live `m × n` slice.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn columns_avx2<F: QFormat>(
-    w: &[F],
-    kb: usize,
-    cols: std::ops::Range<usize>,
-    tiles: &[TileBlock<F::Act>],
-    m: usize,
-    out: OutPtr,
-) {
-    macro_rules! avx2 {
-        ($r:literal, $wc:expr, $tb:expr) => {
-            // SAFETY: the caller of `columns_avx2` guarantees the CPU features.
-            unsafe { F::dot_avx2::<$r>($wc, $tb) }
-        };
-    }
-    row_tiles!(avx2, F, w, kb, cols, tiles, m, out);
-}
-
-/// Portable version of [`columns_avx2`].
-///
-/// # Safety
-/// No other thread may write columns `cols` of `out` meanwhile, and `out` must wrap a live
-/// `m × n` slice.
-pub(crate) unsafe fn columns_scalar<F: QFormat>(
-    w: &[F],
-    kb: usize,
-    cols: std::ops::Range<usize>,
-    tiles: &[TileBlock<F::Act>],
-    m: usize,
-    out: OutPtr,
-) {
-    macro_rules! scalar {
-        ($r:literal, $wc:expr, $tb:expr) => {
-            F::dot_scalar::<$r>($wc, $tb)
-        };
-    }
-    row_tiles!(scalar, F, w, kb, cols, tiles, m, out);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::quantized::{GgmlDType, QTensor};
-    use candle_core::{Device, Tensor};
-
-    fn randn(n: usize, seed: u64) -> Vec<f32> {
-        // A cheap deterministic pseudo-normal (sum of uniforms).
-        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                let mut s = 0f32;
-                for _ in 0..4 {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    s += (x >> 40) as f32 / (1u64 << 24) as f32;
-                }
-                (s - 2.0) * 1.7
-            })
-            .collect()
-    }
-
-    fn deq_act_k(a: &ActK) -> Vec<f64> {
-        a.qs.iter().map(|&q| a.d as f64 * q as f64).collect()
-    }
-
-    fn deq_act_32(a: &Act32) -> Vec<f64> {
-        a.qs.iter().map(|&q| a.d as f64 * q as f64).collect()
-    }
-
-    /// Both kernels, every row count: the dot of the dequantized weights with the dequantized
-    /// (int8) inputs, computed in f64, up to f32 rounding.
-    fn check<F: QFormat>(dtype: GgmlDType, deq_act: fn(&F::Act) -> Vec<f64>) {
-        let k = 512;
-        let kb = k / F::BLOCK;
-        let w = Tensor::from_vec(randn(k, 7), (1, k), &Device::Cpu).unwrap();
-        let bytes = QTensor::quantize(&w, dtype)
-            .unwrap()
-            .data()
-            .unwrap()
-            .to_vec();
-        assert_eq!(bytes.len(), kb * std::mem::size_of::<F>());
-        let size = std::mem::size_of::<F>();
-        // SAFETY: test-only reinterpretation of GGML block bytes as the matching repr(C) type.
-        let blocks: Vec<F> = (0..kb)
-            .map(|i| unsafe { std::ptr::read_unaligned(bytes.as_ptr().add(i * size) as *const F) })
-            .collect();
-        let mut wd = vec![0f32; k];
-        F::dequantize(&blocks, &mut wd);
-        let m = ROW_TILE;
-        let x: Vec<f32> = (0..m).flat_map(|r| randn(k, 100 + r as u64)).collect();
-        let tiles = quantize_tiles::<F>(&x, m, k);
-        let want: Vec<f64> = (0..m)
-            .map(|r| {
-                let xr: Vec<f64> = tiles.iter().flat_map(|t| deq_act(&t.a[r])).collect();
-                xr.iter().zip(&wd).map(|(x, w)| x * *w as f64).sum()
-            })
-            .collect();
-        let tol = 1e-4 * want.iter().fold(1f64, |m, v| m.max(v.abs()));
-        let close = |got: &[f32], what: &str| {
-            for (r, g) in got.iter().enumerate() {
-                let d = (*g as f64 - want[r]).abs();
-                assert!(
-                    d < tol,
-                    "{dtype:?} {what} R={} row {r}: {g} vs {}",
-                    got.len(),
-                    want[r]
-                );
-            }
-        };
-        macro_rules! all_r {
-            ($($n:literal),*) => {$(
-                close(&F::dot_scalar::<$n>(&blocks, &tiles), "scalar");
-                #[cfg(target_arch = "x86_64")]
-                if has_avx2() {
-                    // SAFETY: features checked.
-                    close(&unsafe { F::dot_avx2::<$n>(&blocks, &tiles) }, "avx2");
-                }
-            )*};
-        }
-        all_r!(1, 2, 3, 4, 5, 6, 7, 8);
-    }
 
     #[test]
-    fn kernels_match_f64_reference() {
-        check::<BlockQ4K>(GgmlDType::Q4K, deq_act_k);
-        check::<BlockQ6K>(GgmlDType::Q6K, deq_act_k);
-        check::<BlockQ5_0>(GgmlDType::Q5_0, deq_act_32);
-        check::<BlockQ8_0>(GgmlDType::Q8_0, deq_act_32);
-    }
-
-    #[test]
-    fn q4k_scale_unpacking_agrees() {
-        for seed in 0..50u8 {
-            let q: [u8; 12] =
-                std::array::from_fn(|i| seed.wrapping_mul(37).wrapping_add(i as u8 * 91));
-            let all = q4k_scales_mins(&q);
-            for j in 0..8 {
-                assert_eq!((all[j], all[8 + j]), q4k_scale_min(j, &q));
+    fn scalar_shifts_match_16bit_lanes() {
+        let v: [u32; 16] = std::array::from_fn(|i| 0x9abc_def1u32.wrapping_mul(i as u32 + 7));
+        for s in 0..8 {
+            // SAFETY: pure lane arithmetic.
+            let (r, l) = unsafe { (Scalar::shr16(v, s), Scalar::shl16(v, s)) };
+            for i in 0..16 {
+                let (lo, hi) = (v[i] as u16, (v[i] >> 16) as u16);
+                assert_eq!(r[i], ((lo >> s) as u32) | (((hi >> s) as u32) << 16));
+                assert_eq!(l[i], ((lo << s) as u32) | (((hi << s) as u32) << 16));
             }
         }
     }

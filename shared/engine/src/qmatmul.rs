@@ -6,22 +6,76 @@
 //! verification lives on batches of 8..128 rows, so here each task owns a range of weight rows
 //! (output columns) and serves every input row from it while it is in cache.
 //!
-//! - Q4_K, Q6_K, Q5_0 and Q8_0 (everything in the default Qwen2.5-Coder models) use our
-//!   multi-row AVX2 kernels ([`super::qkernels`]): a block is decoded once for four input rows;
+//! - Q4_K, Q6_K, Q5_0, Q8_0 and Q4_1 (everything in the default models) are repacked at load
+//!   into the column-interleaved layout of [`super::qkernels`] (same size as the file) and run
+//!   `vpdpbusd`-style kernels (AVX-512 VNNI, AVX-VNNI, AVX2 or scalar, chosen at run time,
+//!   `SEQUOIA_KERNEL_ISA` to force one; all bit-identical);
 //! - the other GGML types use candle's per-pair `vec_dot` with the same loop order.
 //!
-//! The weights are kept as typed block vectors owned by the kernel, and the token embedding
-//! reuses them: [`QKernel::dequantize_row`] expands only the rows a step looks up, instead of a
-//! full f32 copy of a 150k-token embedding table.
+//! The weights are owned by the kernel, and the token embedding reuses them:
+//! [`QKernel::dequantize_row`] expands only the rows a step looks up, instead of a full f32
+//! copy of a 150k-token embedding table.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::quantized::{k_quants, GgmlDType, GgmlType};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use rayon::prelude::*;
 
-use super::qkernels::{self, OutPtr, QFormat};
+use super::qkernels::{self, ActBlock, ActK, Act32, Format, Isa, OutPtr, Packed};
 use super::EngineError;
+
+/// An input quantized once for several matmuls that read it (Q/K/V, gate/up):
+/// [`QKernel::quantize_input`] then [`QKernel::matmul_quantized`]. Valid for kernels with the
+/// same `in_features` and the same activation format (the K-quants Q4_K/Q6_K share one, the
+/// 32-value formats Q5_0/Q8_0/Q4_1 another; other types keep the f32 rows).
+#[derive(Debug)]
+pub(crate) enum QuantizedInput {
+    K { m: usize, k: usize, acts: Vec<ActK> },
+    B32 { m: usize, k: usize, acts: Vec<Act32> },
+    Raw { m: usize, k: usize, x: Vec<f32> },
+}
+
+impl QuantizedInput {
+    pub(crate) fn rows(&self) -> usize {
+        match self {
+            QuantizedInput::K { m, .. }
+            | QuantizedInput::B32 { m, .. }
+            | QuantizedInput::Raw { m, .. } => *m,
+        }
+    }
+}
+
+/// Activation block types that live in a [`QuantizedInput`].
+pub(crate) trait InputActs: ActBlock {
+    fn wrap(acts: Vec<Self>, m: usize, k: usize) -> QuantizedInput;
+    fn unwrap(q: &QuantizedInput) -> Option<(&[Self], usize, usize)>;
+}
+
+impl InputActs for ActK {
+    fn wrap(acts: Vec<Self>, m: usize, k: usize) -> QuantizedInput {
+        QuantizedInput::K { m, k, acts }
+    }
+    fn unwrap(q: &QuantizedInput) -> Option<(&[Self], usize, usize)> {
+        match q {
+            QuantizedInput::K { m, k, acts } => Some((acts, *m, *k)),
+            _ => None,
+        }
+    }
+}
+
+impl InputActs for Act32 {
+    fn wrap(acts: Vec<Self>, m: usize, k: usize) -> QuantizedInput {
+        QuantizedInput::B32 { m, k, acts }
+    }
+    fn unwrap(q: &QuantizedInput) -> Option<(&[Self], usize, usize)> {
+        match q {
+            QuantizedInput::B32 { m, k, acts } => Some((acts, *m, *k)),
+            _ => None,
+        }
+    }
+}
 
 /// A quantized weight matrix `W` of shape `(out_features, in_features)` with `y = x · Wᵀ`.
 pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
@@ -31,6 +85,27 @@ pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]);
     /// Expand row `row` of `W` into `dst` (`in_features` values).
     fn dequantize_row(&self, row: usize, dst: &mut [f32]);
+    /// Quantize `lhs` (`m × in`) once for [`Self::matmul_quantized`] on this or compatible
+    /// kernels (see [`QuantizedInput`]).
+    fn quantize_input(&self, m: usize, lhs: &[f32]) -> QuantizedInput {
+        assert_eq!(lhs.len(), m * self.in_features(), "matmul input size");
+        QuantizedInput::Raw {
+            m,
+            k: self.in_features(),
+            x: lhs.to_vec(),
+        }
+    }
+    /// `matmul` on an input from [`Self::quantize_input`] of a compatible kernel: the same
+    /// result, bit for bit, as `matmul` on the original rows.
+    ///
+    /// # Panics
+    /// If `q` was quantized for an incompatible format or width.
+    fn matmul_quantized(&self, q: &QuantizedInput, dst: &mut [f32]) {
+        match q {
+            QuantizedInput::Raw { m, k, x } if *k == self.in_features() => self.matmul(*m, x, dst),
+            _ => panic!("quantized input does not fit {self:?}"),
+        }
+    }
 }
 
 /// Typed storage for one quantized matrix: `n` rows of `k / T::BLCK_SIZE` blocks each.
@@ -52,22 +127,6 @@ fn column_chunk(n: usize) -> usize {
     n.div_ceil(tasks).clamp(16, 512)
 }
 
-/// Run `f(columns, out)` over disjoint column ranges of the `m × n` output in parallel.
-fn for_column_chunks(
-    n: usize,
-    m: usize,
-    dst: &mut [f32],
-    f: impl Fn(std::ops::Range<usize>, OutPtr) + Sync,
-) {
-    assert_eq!(dst.len(), m * n, "matmul output size");
-    let chunk = column_chunk(n);
-    let out = OutPtr::new(dst, n);
-    (0..n.div_ceil(chunk)).into_par_iter().for_each(|ci| {
-        let c0 = ci * chunk;
-        f(c0..(c0 + chunk).min(n), out)
-    });
-}
-
 impl<T: GgmlType + 'static> QKernel for QWeight<T> {
     fn out_features(&self) -> usize {
         self.n
@@ -80,6 +139,7 @@ impl<T: GgmlType + 'static> QKernel for QWeight<T> {
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {
         let (n, k) = (self.n, self.k);
         assert_eq!(lhs.len(), m * k, "matmul input size");
+        assert_eq!(dst.len(), m * n, "matmul output size");
         let kb = k / T::BLCK_SIZE;
         // Quantize the inputs once into the weight type's dot-product format.
         let mut q = vec![T::VecDotType::zeros(); m * kb];
@@ -87,14 +147,15 @@ impl<T: GgmlType + 'static> QKernel for QWeight<T> {
             .zip(lhs.par_chunks(k))
             .for_each(|(qr, xr)| T::VecDotType::from_float(xr, qr));
         let w = &self.blocks;
-        for_column_chunks(n, m, dst, |cols, out| {
-            for c in cols {
+        let chunk = column_chunk(n);
+        let out = OutPtr::new(dst, n);
+        (0..n.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            for c in ci * chunk..((ci + 1) * chunk).min(n) {
                 let wc = &w[c * kb..(c + 1) * kb];
                 for r in 0..m {
                     let v = T::vec_dot(k, wc, &q[r * kb..(r + 1) * kb]);
-                    // SAFETY: `for_column_chunks` hands each task its own columns of a live
-                    // `m × n` output.
-                    unsafe { out.store(r, c, &[v]) };
+                    // SAFETY: each task writes its own columns of the live `m × n` output.
+                    unsafe { *out.at(r, c, 1) = v };
                 }
             }
         });
@@ -106,92 +167,98 @@ impl<T: GgmlType + 'static> QKernel for QWeight<T> {
     }
 }
 
-/// One quantized matrix in a format with our own multi-row kernels.
-struct FastQ<F: QFormat> {
-    blocks: Vec<F>,
-    n: usize,
-    k: usize,
+/// One matrix repacked for our kernels.
+struct PackedKernel<F: Format> {
+    w: Packed<F>,
 }
 
-impl<F: QFormat> std::fmt::Debug for FastQ<F> {
+impl<F: Format> std::fmt::Debug for PackedKernel<F> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "FastQ<{}>({} x {})", F::NAME, self.n, self.k)
+        write!(f, "Packed<{}>({} x {})", F::NAME, self.w.n, self.w.k)
     }
 }
 
-impl<F: QFormat> QKernel for FastQ<F> {
-    fn out_features(&self) -> usize {
-        self.n
-    }
-
-    fn in_features(&self) -> usize {
-        self.k
-    }
-
-    fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {
-        let (n, k) = (self.n, self.k);
-        assert_eq!(lhs.len(), m * k, "matmul input size");
-        let kb = k / F::BLOCK;
-        let tiles = qkernels::quantize_tiles::<F>(lhs, m, k);
-        let w = &self.blocks;
-        let avx2 = qkernels::has_avx2();
-        for_column_chunks(n, m, dst, |cols, out| {
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: `has_avx2` checked the CPU features; `for_column_chunks` gives each
-                // task its own columns of a live `m × n` output.
-                unsafe { qkernels::columns_avx2(w, kb, cols, &tiles, m, out) };
-                return;
-            }
-            let _ = avx2;
-            // SAFETY: as above.
-            unsafe { qkernels::columns_scalar(w, kb, cols, &tiles, m, out) };
+impl<F: Format> PackedKernel<F>
+where
+    F::Act: InputActs,
+{
+    /// `dst = X · Wᵀ` for the quantized rows `acts`, on path `isa` (must be available).
+    fn matmul_acts(&self, isa: Isa, acts: &[F::Act], m: usize, dst: &mut [f32]) {
+        let n = self.w.n;
+        assert_eq!(dst.len(), m * n, "matmul output size");
+        if m == 0 {
+            return;
+        }
+        let groups = self.w.groups();
+        let tasks = rayon::current_num_threads().max(1) * 4;
+        let chunk = groups.div_ceil(tasks).max(1);
+        let out = OutPtr::new(dst, n);
+        (0..groups.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+            let g = ci * chunk..((ci + 1) * chunk).min(groups);
+            // SAFETY: each task writes the columns of its own groups of the live output.
+            unsafe { self.w.columns(isa, acts, m, g, out) };
         });
     }
 
+    /// [`QKernel::matmul`] on a chosen path (tests, benchmarks).
+    pub(crate) fn matmul_isa(&self, isa: Isa, m: usize, lhs: &[f32], dst: &mut [f32]) {
+        let acts = qkernels::quantize_rows::<F::Act>(lhs, m, self.w.k);
+        self.matmul_acts(isa, &acts, m, dst);
+    }
+}
+
+impl<F: Format> QKernel for PackedKernel<F>
+where
+    F::Act: InputActs,
+{
+    fn out_features(&self) -> usize {
+        self.w.n
+    }
+
+    fn in_features(&self) -> usize {
+        self.w.k
+    }
+
+    fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {
+        self.matmul_isa(qkernels::isa(), m, lhs, dst);
+    }
+
     fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
-        let kb = self.k / F::BLOCK;
-        F::dequantize(&self.blocks[row * kb..(row + 1) * kb], dst);
+        self.w.dequantize_row(row, dst);
+    }
+
+    fn quantize_input(&self, m: usize, lhs: &[f32]) -> QuantizedInput {
+        let acts = qkernels::quantize_rows::<F::Act>(lhs, m, self.w.k);
+        F::Act::wrap(acts, m, self.w.k)
+    }
+
+    fn matmul_quantized(&self, q: &QuantizedInput, dst: &mut [f32]) {
+        match F::Act::unwrap(q) {
+            Some((acts, m, k)) if k == self.w.k => self.matmul_acts(qkernels::isa(), acts, m, dst),
+            _ => match q {
+                QuantizedInput::Raw { m, k, x } if *k == self.w.k => self.matmul(*m, x, dst),
+                _ => panic!("quantized input does not fit {self:?}"),
+            },
+        }
     }
 }
 
-/// Plain-old-data block types: `#[repr(C)]` aggregates of integers, `f16` and `f32` without
-/// padding, for which every bit pattern is a valid value.
-///
-/// # Safety
-/// Only implement for such types.
-unsafe trait Pod: Copy {}
-// SAFETY: all four are `#[repr(C)]` integer aggregates without padding (sizes asserted in
-// `qkernels`).
-unsafe impl Pod for qkernels::BlockQ4K {}
-unsafe impl Pod for qkernels::BlockQ6K {}
-unsafe impl Pod for qkernels::BlockQ5_0 {}
-unsafe impl Pod for qkernels::BlockQ8_0 {}
+static REPACK_NS: AtomicU64 = AtomicU64::new(0);
+static REPACK_BYTES: AtomicU64 = AtomicU64::new(0);
 
-fn pod_from_bytes<T: Pod>(bytes: &[u8]) -> Result<Vec<T>, EngineError> {
-    let size = std::mem::size_of::<T>();
-    if !bytes.len().is_multiple_of(size) {
-        return Err(EngineError::Load(format!(
-            "{} bytes is not a whole number of {size}-byte blocks",
-            bytes.len()
-        )));
-    }
-    let count = bytes.len() / size;
-    let mut v: Vec<T> = Vec::with_capacity(count);
-    // SAFETY: `T: Pod` accepts any bit pattern; the vector has room for exactly `bytes.len()`
-    // bytes, which are all initialized by the copy before `set_len`.
-    unsafe {
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), v.as_mut_ptr() as *mut u8, bytes.len());
-        v.set_len(count);
-    }
-    Ok(v)
+/// Total wall time spent repacking weights at load in this process, and the bytes repacked
+/// (for the loader's log line).
+pub fn repack_stats() -> (std::time::Duration, u64) {
+    (
+        std::time::Duration::from_nanos(REPACK_NS.load(Ordering::Relaxed)),
+        REPACK_BYTES.load(Ordering::Relaxed),
+    )
 }
 
-fn fast<F: QFormat + Pod>(
-    n: usize,
-    k: usize,
-    bytes: &[u8],
-) -> Result<Arc<dyn QKernel>, EngineError> {
+fn packed<F: Format>(n: usize, k: usize, bytes: &[u8]) -> Result<Arc<dyn QKernel>, EngineError>
+where
+    F::Act: InputActs,
+{
     if !k.is_multiple_of(F::BLOCK) {
         return Err(EngineError::Load(format!(
             "{} matrix with {k} columns: not a multiple of the block size {}",
@@ -199,16 +266,19 @@ fn fast<F: QFormat + Pod>(
             F::BLOCK
         )));
     }
-    let blocks = pod_from_bytes::<F>(bytes)?;
-    if blocks.len() != n * (k / F::BLOCK) {
+    let want = n * (k / F::BLOCK) * std::mem::size_of::<F::Raw>();
+    if bytes.len() != want {
         return Err(EngineError::Load(format!(
-            "{} matrix {n} x {k}: expected {} blocks, found {}",
+            "{} matrix {n} x {k}: expected {want} bytes, found {}",
             F::NAME,
-            n * (k / F::BLOCK),
-            blocks.len()
+            bytes.len()
         )));
     }
-    Ok(Arc::new(FastQ { blocks, n, k }))
+    let t = std::time::Instant::now();
+    let w = Packed::<F>::from_bytes(bytes, n, k);
+    REPACK_NS.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    REPACK_BYTES.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    Ok(Arc::new(PackedKernel { w }))
 }
 
 /// Copy raw GGUF block bytes into a typed block vector.
@@ -272,16 +342,16 @@ pub(crate) fn kernel_from_bytes(
     use k_quants::*;
     match dtype {
         GgmlDType::Q4_0 => typed::<BlockQ4_0>(n, k, bytes),
-        GgmlDType::Q4_1 => typed::<BlockQ4_1>(n, k, bytes),
-        GgmlDType::Q5_0 => fast::<qkernels::BlockQ5_0>(n, k, bytes),
+        GgmlDType::Q4_1 => packed::<qkernels::Q4_1>(n, k, bytes),
+        GgmlDType::Q5_0 => packed::<qkernels::Q5_0>(n, k, bytes),
         GgmlDType::Q5_1 => typed::<BlockQ5_1>(n, k, bytes),
-        GgmlDType::Q8_0 => fast::<qkernels::BlockQ8_0>(n, k, bytes),
+        GgmlDType::Q8_0 => packed::<qkernels::Q8_0>(n, k, bytes),
         GgmlDType::Q8_1 => typed::<BlockQ8_1>(n, k, bytes),
         GgmlDType::Q2K => typed::<BlockQ2K>(n, k, bytes),
         GgmlDType::Q3K => typed::<BlockQ3K>(n, k, bytes),
-        GgmlDType::Q4K => fast::<qkernels::BlockQ4K>(n, k, bytes),
+        GgmlDType::Q4K => packed::<qkernels::Q4K>(n, k, bytes),
         GgmlDType::Q5K => typed::<BlockQ5K>(n, k, bytes),
-        GgmlDType::Q6K => fast::<qkernels::BlockQ6K>(n, k, bytes),
+        GgmlDType::Q6K => packed::<qkernels::Q6K>(n, k, bytes),
         GgmlDType::Q8K => typed::<BlockQ8K>(n, k, bytes),
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => Err(EngineError::Load(format!(
             "{dtype:?} is not a block-quantized type"
@@ -321,6 +391,134 @@ impl CustomOp1 for QMatMulOp<'_> {
         *out_dims.last_mut().expect("rank >= 1") = n;
         Ok((CpuStorage::F32(dst), Shape::from(out_dims)))
     }
+}
+
+/// One kernel benchmark: single thread, thread CPU time, best of several batches.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelTiming {
+    /// Nanoseconds per matmul call (activation quantization included).
+    pub ns: f64,
+    /// Multiply-accumulates per nanosecond (`m · n · k / ns`), i.e. G MAC/s on one core.
+    pub gmacs: f64,
+    /// Weight bytes (repacked size) read per nanosecond, i.e. GB/s.
+    pub gbps: f64,
+    /// Bytes of one repacked weight matrix.
+    pub weight_bytes: usize,
+}
+
+/// Nanoseconds the calling thread has run on a CPU (robust to other processes), or wall time
+/// where that clock is unavailable.
+fn thread_cpu_ns() -> u64 {
+    #[cfg(target_os = "linux")]
+    {
+        #[repr(C)]
+        struct Timespec {
+            tv_sec: i64,
+            tv_nsec: i64,
+        }
+        unsafe extern "C" {
+            fn clock_gettime(clk: i32, ts: *mut Timespec) -> i32;
+        }
+        const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
+        let mut ts = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `ts` is a valid out-pointer of the C layout.
+        if unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) } == 0 {
+            return ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+        }
+    }
+    use std::sync::OnceLock;
+    static T0: OnceLock<std::time::Instant> = OnceLock::new();
+    T0.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64
+}
+
+/// Benchmark the repacked kernel for `dtype` (Q4K, Q6K, Q5_0, Q8_0, Q4_1) on an `n × k` matrix
+/// of random weights with `m` input rows, on path `isa`, on one thread. `copies > 1` cycles
+/// through that many copies of the matrix so the weights stream from DRAM as in a model
+/// forward (use enough to exceed the last-level cache) — the decode (`m = 1`) bandwidth case.
+pub fn kernel_report(
+    isa: Isa,
+    dtype: GgmlDType,
+    n: usize,
+    k: usize,
+    m: usize,
+    copies: usize,
+) -> Result<KernelTiming, EngineError> {
+    if !isa.available() {
+        return Err(EngineError::Load(format!("{} kernels unavailable on this CPU", isa.name())));
+    }
+    let w = candle_core::Tensor::randn(0f32, 1.0, (n, k), &candle_core::Device::Cpu)
+        .and_then(|w| candle_core::quantized::QTensor::quantize(&w, dtype))
+        .and_then(|q| q.data().map(|d| d.to_vec()))
+        .map_err(|e| EngineError::Load(format!("benchmark weights: {e}")))?;
+    let x = candle_core::Tensor::randn(0f32, 1.0, (m * k,), &candle_core::Device::Cpu)
+        .and_then(|t| t.to_vec1::<f32>())
+        .map_err(|e| EngineError::Load(format!("benchmark inputs: {e}")))?;
+    fn go<F: Format>(
+        isa: Isa,
+        bytes: &[u8],
+        x: &[f32],
+        n: usize,
+        k: usize,
+        m: usize,
+        copies: usize,
+    ) -> KernelTiming
+    where
+        F::Act: InputActs,
+    {
+        let kerns: Vec<PackedKernel<F>> = (0..copies.max(1))
+            .map(|_| PackedKernel {
+                w: Packed::<F>::from_bytes(bytes, n, k),
+            })
+            .collect();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(1)
+            .build()
+            .expect("one-thread pool");
+        let mut y = vec![0f32; m * n];
+        let ns = pool.install(|| {
+            let mut i = 0;
+            let mut call = |y: &mut [f32]| {
+                i += 1;
+                kerns[i % kerns.len()].matmul_isa(isa, m, x, y);
+            };
+            let t = thread_cpu_ns();
+            call(&mut y);
+            let once = (thread_cpu_ns() - t).max(1);
+            let reps = (20_000_000 / once).clamp(2, 200) as usize;
+            // Best of several batches: other processes only ever add time.
+            (0..7)
+                .map(|_| {
+                    let t = thread_cpu_ns();
+                    for _ in 0..reps {
+                        call(&mut y);
+                    }
+                    (thread_cpu_ns() - t) as f64 / reps as f64
+                })
+                .fold(f64::INFINITY, f64::min)
+        });
+        let weight_bytes = kerns[0].w.size_bytes();
+        KernelTiming {
+            ns,
+            gmacs: (m * n * k) as f64 / ns,
+            gbps: weight_bytes as f64 / ns,
+            weight_bytes,
+        }
+    }
+    Ok(match dtype {
+        GgmlDType::Q4K => go::<qkernels::Q4K>(isa, &w, &x, n, k, m, copies),
+        GgmlDType::Q6K => go::<qkernels::Q6K>(isa, &w, &x, n, k, m, copies),
+        GgmlDType::Q5_0 => go::<qkernels::Q5_0>(isa, &w, &x, n, k, m, copies),
+        GgmlDType::Q8_0 => go::<qkernels::Q8_0>(isa, &w, &x, n, k, m, copies),
+        GgmlDType::Q4_1 => go::<qkernels::Q4_1>(isa, &w, &x, n, k, m, copies),
+        _ => {
+            return Err(EngineError::Load(format!(
+                "{dtype:?} has no repacked kernel to benchmark"
+            )))
+        }
+    })
 }
 
 #[cfg(test)]
@@ -416,44 +614,78 @@ mod tests {
         }
     }
 
-    /// The AVX2 and portable kernels agree.
+    fn packed_kernel<F: Format>(dtype: GgmlDType, n: usize, k: usize) -> PackedKernel<F> {
+        let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+        let bytes = QTensor::quantize(&w, dtype).unwrap().data().unwrap().to_vec();
+        PackedKernel {
+            w: Packed::<F>::from_bytes(&bytes, n, k),
+        }
+    }
+
+    /// Every available ISA path equals the scalar one bit for bit, for every format, row count
+    /// and row position, with n not a multiple of the group and several blocks of k, also with
+    /// Qwen-style outlier activations; and a row's result does not depend on the batch.
     #[test]
-    fn avx2_matches_scalar() {
-        if !qkernels::has_avx2() {
-            return;
-        }
-        fn check<F: QFormat + Pod>(dtype: GgmlDType) {
-            let (n, k, m) = (19, 512, 13);
-            let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-            let bytes = QTensor::quantize(&w, dtype)
-                .unwrap()
-                .data()
-                .unwrap()
-                .to_vec();
-            let blocks = pod_from_bytes::<F>(&bytes).unwrap();
-            let x = inputs(m, k);
-            let kb = k / F::BLOCK;
-            let tiles = qkernels::quantize_tiles::<F>(&x, m, k);
-            let mut fast = vec![0f32; m * n];
-            let mut slow = vec![0f32; m * n];
-            // SAFETY: features checked above; single-threaded, all columns.
-            unsafe {
-                let out = OutPtr::new(&mut fast, n);
-                qkernels::columns_avx2(&blocks, kb, 0..n, &tiles, m, out);
-                let out = OutPtr::new(&mut slow, n);
-                qkernels::columns_scalar(&blocks, kb, 0..n, &tiles, m, out);
+    fn isa_paths_match_scalar_bit_for_bit() {
+        fn check<F: Format>(dtype: GgmlDType)
+        where
+            F::Act: InputActs,
+        {
+            let (n, k) = (37, 1024);
+            let kern = packed_kernel::<F>(dtype, n, k);
+            let mut x = inputs(33, k);
+            for r in (0..33).step_by(3) {
+                x[r * k + 5] = 300.0;
+                x[r * k + 700] = -250.0;
             }
-            for (a, b) in fast.iter().zip(&slow) {
-                assert!(
-                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
-                    "{dtype:?}: {a} vs {b}"
-                );
+            let mut alone = vec![0f32; 33 * n];
+            for r in 0..33 {
+                kern.matmul_isa(Isa::Scalar, 1, &x[r * k..(r + 1) * k], &mut alone[r * n..][..n]);
+            }
+            for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+                for m in [1usize, 2, 3, 5, 8, 13, 17, 33] {
+                    let mut got = vec![0f32; m * n];
+                    kern.matmul_isa(isa, m, &x[..m * k], &mut got);
+                    for r in 0..m {
+                        for c in 0..n {
+                            let (g, w) = (got[r * n + c], alone[r * n + c]);
+                            assert!(
+                                g.to_bits() == w.to_bits(),
+                                "{dtype:?} {isa:?} m={m} row {r} col {c}: {g} vs scalar {w}"
+                            );
+                        }
+                    }
+                }
             }
         }
-        check::<qkernels::BlockQ4K>(GgmlDType::Q4K);
-        check::<qkernels::BlockQ6K>(GgmlDType::Q6K);
-        check::<qkernels::BlockQ5_0>(GgmlDType::Q5_0);
-        check::<qkernels::BlockQ8_0>(GgmlDType::Q8_0);
+        check::<qkernels::Q4K>(GgmlDType::Q4K);
+        check::<qkernels::Q6K>(GgmlDType::Q6K);
+        check::<qkernels::Q5_0>(GgmlDType::Q5_0);
+        check::<qkernels::Q8_0>(GgmlDType::Q8_0);
+        check::<qkernels::Q4_1>(GgmlDType::Q4_1);
+    }
+
+    /// An input quantized once serves several kernels, with the same results as `matmul`.
+    #[test]
+    fn quantized_input_is_reusable() {
+        let k = 512;
+        let x = inputs(5, k);
+        for group in [
+            &[GgmlDType::Q4K, GgmlDType::Q6K][..],
+            &[GgmlDType::Q5_0, GgmlDType::Q8_0, GgmlDType::Q4_1][..],
+            &[GgmlDType::Q5K][..],
+        ] {
+            let kerns: Vec<_> = group.iter().map(|&d| setup(d, 21, k).0).collect();
+            let q = kerns[0].quantize_input(5, &x);
+            assert_eq!(q.rows(), 5);
+            for kern in &kerns {
+                let mut a = vec![0f32; 5 * 21];
+                let mut b = vec![0f32; 5 * 21];
+                kern.matmul(5, &x, &mut a);
+                kern.matmul_quantized(&q, &mut b);
+                assert_eq!(a, b, "{kern:?}");
+            }
+        }
     }
 
     #[test]
@@ -486,93 +718,108 @@ mod tests {
 #[cfg(test)]
 mod bench {
     use super::*;
-    use candle_core::quantized::QTensor;
-    use candle_core::{Device, Tensor};
 
-    /// Nanoseconds this thread has spent on a CPU (robust to other processes on the machine).
-    fn thread_cpu_ns() -> u64 {
-        let mut ts = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: `ts` is a valid out-pointer.
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    /// Single-thread kernel throughput per format and ISA path, in CPU time:
+    /// `cargo test --release -p sequoia-shared --lib qmatmul::bench -- --ignored --nocapture`
+    /// (env: QSHAPE=NxK, QTYPES=Q4K,Q6K,Q5_0,Q8_0,Q4_1, QISAS=avx512vnni,..., QCOPIES=n to
+    /// stream the weights from DRAM, QMS=1,4,8,...).
+    /// 512-bit `vpdpbusd` peak of this core now (12 independent accumulators), G MAC/s in
+    /// thread CPU time: the reference for the kernels measured in the same run.
+    #[cfg(target_arch = "x86_64")]
+    fn vnni512_peak() -> Option<f64> {
+        if !Isa::Avx512Vnni.available() {
+            return None;
+        }
+        let iters = 20_000_000u64;
+        let t = thread_cpu_ns();
+        // SAFETY: AVX-512 VNNI checked; only zmm registers are touched (declared clobbered).
+        unsafe {
+            std::arch::asm!(
+                "vpxord zmm30, zmm30, zmm30",
+                "vpxord zmm31, zmm31, zmm31",
+                "2:",
+                "vpdpbusd zmm0, zmm30, zmm31", "vpdpbusd zmm1, zmm30, zmm31",
+                "vpdpbusd zmm2, zmm30, zmm31", "vpdpbusd zmm3, zmm30, zmm31",
+                "vpdpbusd zmm4, zmm30, zmm31", "vpdpbusd zmm5, zmm30, zmm31",
+                "vpdpbusd zmm6, zmm30, zmm31", "vpdpbusd zmm7, zmm30, zmm31",
+                "vpdpbusd zmm8, zmm30, zmm31", "vpdpbusd zmm9, zmm30, zmm31",
+                "vpdpbusd zmm10, zmm30, zmm31", "vpdpbusd zmm11, zmm30, zmm31",
+                "dec {n}",
+                "jnz 2b",
+                n = inout(reg) iters => _,
+                out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _,
+                out("zmm4") _, out("zmm5") _, out("zmm6") _, out("zmm7") _,
+                out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
+                out("zmm30") _, out("zmm31") _,
+            );
+        }
+        Some((iters * 12 * 64) as f64 / (thread_cpu_ns() - t) as f64)
     }
 
-    /// Single-thread kernel throughput, in CPU time:
-    /// `cargo test --release -p sequoia-shared --lib qmatmul::bench -- --ignored --nocapture`
     #[test]
     #[ignore]
     fn kernel_throughput() {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(1)
-            .build()
-            .unwrap();
         let shape = std::env::var("QSHAPE").unwrap_or_else(|_| "4096x1536".into());
         let (n, k) = shape
             .split_once('x')
             .map(|(a, b)| (a.parse().unwrap(), b.parse().unwrap()))
             .unwrap();
-        let types = std::env::var("QTYPES").unwrap_or_else(|_| "Q4K,Q6K,Q5_0,Q8_0".into());
+        let types = std::env::var("QTYPES").unwrap_or_else(|_| "Q4K,Q6K,Q5_0,Q8_0,Q4_1".into());
+        let isas = std::env::var("QISAS").unwrap_or_else(|_| "avx512vnni,avxvnni,avx2".into());
+        let ms: Vec<usize> = std::env::var("QMS")
+            .unwrap_or_else(|_| "1,4,8,16,32,64".into())
+            .split(',')
+            .map(|v| v.parse().unwrap())
+            .collect();
+        let copies: usize = std::env::var("QCOPIES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1);
+        #[cfg(target_arch = "x86_64")]
+        if let Some(p) = vnni512_peak() {
+            println!("512-bit vpdpbusd peak now: {p:.0} GMAC/s/core");
+        }
+        {
+            // Read bandwidth now (one thread, 512 MiB, thread CPU time).
+            let buf = vec![1u64; 64 << 20];
+            let mut best = f64::INFINITY;
+            let mut sum = 0u64;
+            for _ in 0..3 {
+                let t = thread_cpu_ns();
+                sum = sum.wrapping_add(buf.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
+                best = best.min((thread_cpu_ns() - t) as f64);
+            }
+            println!("read bandwidth now: {:.1} GB/s ({sum})", (buf.len() * 8) as f64 / best);
+        }
         for dtype in [
             GgmlDType::Q4K,
             GgmlDType::Q6K,
             GgmlDType::Q5_0,
             GgmlDType::Q8_0,
+            GgmlDType::Q4_1,
         ] {
             if !types.split(',').any(|t| t == format!("{dtype:?}")) {
                 continue;
             }
-            let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-            let qt = QTensor::quantize(&w, dtype).unwrap();
-            let bytes = qt.data().unwrap();
-            // QCOPIES > 1: cycle through copies so the weights stream from DRAM, as in a model.
-            let copies: usize = std::env::var("QCOPIES")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1);
-            let kerns: Vec<_> = (0..copies)
-                .map(|_| kernel_from_bytes(dtype, n, k, &bytes).unwrap())
-                .collect();
-            for m in [1usize, 4, 8, 16, 32] {
-                let x = inputs(m, k);
-                let mut y = vec![0f32; m * n];
-                let mut i = 0;
-                let mut next = || {
-                    i += 1;
-                    &kerns[i % kerns.len()]
-                };
-                let ns = pool.install(|| {
-                    next().matmul(m, &x, &mut y);
-                    // Best of several batches: other processes only ever add time.
-                    (0..7)
-                        .map(|_| {
-                            let reps = 10;
-                            let t = thread_cpu_ns();
-                            for _ in 0..reps {
-                                next().matmul(m, &x, &mut y);
-                            }
-                            (thread_cpu_ns() - t) as f64 / reps as f64
-                        })
-                        .fold(f64::INFINITY, f64::min)
-                });
-                let gmacs = (m * n * k) as f64 / ns;
-                println!(
-                    "{dtype:?} m={m:3}: {:8.3} ms  {gmacs:6.1} GMAC/s/core  {:6.3} ms/row",
-                    ns / 1e6,
-                    ns / 1e6 / m as f64
-                );
+            for isa in isas.split(',').filter_map(Isa::from_name) {
+                if !isa.available() {
+                    println!("{dtype:?} {}: not available", isa.name());
+                    continue;
+                }
+                let mut t1 = None;
+                for &m in &ms {
+                    let t = kernel_report(isa, dtype, n, k, m, copies).unwrap();
+                    let base = *t1.get_or_insert(t.ns);
+                    println!(
+                        "{dtype:?} {:10} m={m:3}: {:8.3} ms {:6.1} GMAC/s/core {:6.1} GB/s  t/t(m=1) {:5.2}",
+                        isa.name(),
+                        t.ns / 1e6,
+                        t.gmacs,
+                        t.gbps,
+                        t.ns / base
+                    );
+                }
             }
         }
-    }
-
-    fn inputs(m: usize, k: usize) -> Vec<f32> {
-        Tensor::randn(0f32, 1.0, (m, k), &Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
     }
 }
