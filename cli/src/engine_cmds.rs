@@ -287,6 +287,8 @@ struct BenchReport {
     decode_ms_median: f64,
     decode_tokens_per_second: f64,
     tree: &'static str,
+    /// Of `load_ms`: repacking quantized weights into the kernels' layout.
+    repack_ms: f64,
     /// t(n): one tree-masked forward over n nodes (logits for every node), median over repeats.
     t: Vec<TreeTiming>,
 }
@@ -327,15 +329,18 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
     let load_ms = ms(t0);
     let info = model.info().clone();
     let vocab = info.vocab_size;
+    let (repack, repacked_bytes) = kernels::repack_stats();
     if !args.json {
         eprintln!(
-            "{} ({}, {} layers, {}), {} threads, loaded in {:.1} s",
+            "{} ({}, {} layers, {}), {} threads, loaded in {:.1} s ({:.1} s of it repacking {:.0} MB of weights for the kernels)",
             info.name,
             info.architecture,
             info.n_layers,
             info.weights,
             rayon_threads(),
-            load_ms / 1e3
+            load_ms / 1e3,
+            repack.as_secs_f64(),
+            repacked_bytes as f64 / 1e6
         );
     }
 
@@ -412,6 +417,7 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
             BenchTree::Sequoia => "sequoia",
             BenchTree::Chain => "chain",
         },
+        repack_ms: repack.as_secs_f64() * 1e3,
         t: timings,
     };
     if args.json {

@@ -63,9 +63,42 @@ use std::sync::OnceLock;
 
 pub use cache::KvCache;
 pub use model::{Model, ModelInfo};
-/// The CPU quantized-matmul kernel benchmark (for a CLI `bench kernels`) and its ISA paths.
-pub use qkernels::Isa as KernelIsa;
-pub use qmatmul::{kernel_report, repack_stats, KernelTiming};
+
+/// The CPU quantized-matmul kernels as a benchmark sees them (`sequoia engine-bench --kernels`):
+/// the ISA paths, one timed kernel by format name, and the load-time repack cost.
+pub mod kernels {
+    pub use crate::qkernels::Isa;
+    pub use crate::qmatmul::{kernel_report, repack_stats, KernelTiming};
+    use crate::EngineError;
+    use candle_core::quantized::GgmlDType;
+
+    /// The formats with repacked kernels (the default models use all of them).
+    pub const FORMATS: [&str; 5] = ["Q4K", "Q6K", "Q5_0", "Q8_0", "Q4_1"];
+
+    /// [`kernel_report`] by format name (one of [`FORMATS`]).
+    pub fn bench(
+        isa: Isa,
+        format: &str,
+        n: usize,
+        k: usize,
+        m: usize,
+        copies: usize,
+    ) -> Result<KernelTiming, EngineError> {
+        let dtype = match format {
+            "Q4K" => GgmlDType::Q4K,
+            "Q6K" => GgmlDType::Q6K,
+            "Q5_0" => GgmlDType::Q5_0,
+            "Q8_0" => GgmlDType::Q8_0,
+            "Q4_1" => GgmlDType::Q4_1,
+            f => {
+                return Err(EngineError::Load(format!(
+                    "no repacked kernel for {f:?}; formats: {FORMATS:?}"
+                )))
+            }
+        };
+        kernel_report(isa, dtype, n, k, m, copies)
+    }
+}
 
 /// Everything that can go wrong in the engine. Inputs that come from the network (tokens, trees,
 /// compaction indices) are checked and reported here; the engine never panics on them.

@@ -215,6 +215,7 @@ impl Model {
             init_threads(t);
         }
         let device = super::device(opts.cuda)?;
+        let repacked_before = super::qmatmul::repack_stats();
         let mut ld = Loader::open(path, &device)?;
         let hp = ld.hp.clone();
         let max_context = opts.max_context.min(hp.context_length).max(1);
@@ -280,7 +281,13 @@ impl Model {
             weights: hp.weights.clone(),
             device: if device.is_cpu() { "cpu" } else { "cuda" }.to_string(),
         };
-        tracing::info!(?info, "model loaded");
+        let repacked = super::qmatmul::repack_stats();
+        tracing::info!(
+            ?info,
+            repack_ms = (repacked.0 - repacked_before.0).as_secs_f64() * 1e3,
+            repacked_mb = (repacked.1 - repacked_before.1) as f64 / 1e6,
+            "model loaded"
+        );
         Ok(Model {
             info,
             embed,

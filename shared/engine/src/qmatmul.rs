@@ -30,6 +30,9 @@ use super::EngineError;
 /// [`QKernel::quantize_input`] then [`QKernel::matmul_quantized`]. Valid for kernels with the
 /// same `in_features` and the same activation format (the K-quants Q4_K/Q6_K share one, the
 /// 32-value formats Q5_0/Q8_0/Q4_1 another; other types keep the f32 rows).
+// Not yet used by the model's forward (Q/K/V and gate/up still quantize their input each);
+// kept with its test so the fused path can build on it.
+#[allow(dead_code)]
 #[derive(Debug)]
 pub(crate) enum QuantizedInput {
     K { m: usize, k: usize, acts: Vec<ActK> },
@@ -37,6 +40,7 @@ pub(crate) enum QuantizedInput {
     Raw { m: usize, k: usize, x: Vec<f32> },
 }
 
+#[allow(dead_code)]
 impl QuantizedInput {
     pub(crate) fn rows(&self) -> usize {
         match self {
@@ -48,6 +52,7 @@ impl QuantizedInput {
 }
 
 /// Activation block types that live in a [`QuantizedInput`].
+#[allow(dead_code)]
 pub(crate) trait InputActs: ActBlock {
     fn wrap(acts: Vec<Self>, m: usize, k: usize) -> QuantizedInput;
     fn unwrap(q: &QuantizedInput) -> Option<(&[Self], usize, usize)>;
@@ -78,6 +83,7 @@ impl InputActs for Act32 {
 }
 
 /// A quantized weight matrix `W` of shape `(out_features, in_features)` with `y = x · Wᵀ`.
+#[allow(dead_code)] // quantize_input / matmul_quantized: see QuantizedInput
 pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
     fn out_features(&self) -> usize;
     fn in_features(&self) -> usize;
@@ -720,7 +726,7 @@ mod bench {
     use super::*;
 
     /// Single-thread kernel throughput per format and ISA path, in CPU time:
-    /// `cargo test --release -p sequoia-shared --lib qmatmul::bench -- --ignored --nocapture`
+    /// `cargo test --release -p sequoia-engine --lib qmatmul::bench -- --ignored --nocapture`
     /// (env: QSHAPE=NxK, QTYPES=Q4K,Q6K,Q5_0,Q8_0,Q4_1, QISAS=avx512vnni,..., QCOPIES=n to
     /// stream the weights from DRAM, QMS=1,4,8,...).
     /// 512-bit `vpdpbusd` peak of this core now (12 independent accumulators), G MAC/s in
