@@ -9,7 +9,7 @@ use sequoia_proto::v1::generation_server::{Generation, GenerationServer};
 use sequoia_proto::v1::{GenerateChunk, GenerateRequest, GenerateSummary};
 use sequoia_server::admission::Refused;
 use sequoia_server::metrics::Metrics;
-use sequoia_server::security;
+use sequoia_server::{process, security};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -133,19 +133,6 @@ pub async fn serve(
         health = ?probe_endpoint.as_ref().map(|p| p.addr),
         "draft-service listening"
     );
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        server = server.tls_config(tls)?;
-    }
-    server
-        .tcp_nodelay(true)
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(svc)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await?;
-    Ok(())
+    let routes = Routes::new(health).add_service(reflection).add_service(svc);
+    process::serve_grpc(listener, tls, routes, shutdown).await
 }

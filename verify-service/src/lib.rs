@@ -19,7 +19,7 @@ use anyhow::Context;
 use config::VerifyConfig;
 use sequoia_proto::v1::verifier_server::VerifierServer;
 use sequoia_engine::{LoadOptions, Model};
-use sequoia_server::security;
+use sequoia_server::{process, security};
 use sequoia_engine::tokenizer::TextTokenizer;
 use service::{VerifierService, VerifyState};
 use std::future::Future;
@@ -122,19 +122,6 @@ pub async fn serve(
         health = ?probe_endpoint.as_ref().map(|p| p.addr),
         "verify-service listening"
     );
-    let mut server = tonic::transport::Server::builder();
-    if let Some(tls) = tls {
-        server = server.tls_config(tls)?;
-    }
-    server
-        .tcp_nodelay(true)
-        .add_service(health)
-        .add_service(reflection)
-        .add_service(verifier)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown,
-        )
-        .await?;
-    Ok(())
+    let routes = Routes::new(health).add_service(reflection).add_service(verifier);
+    process::serve_grpc(listener, tls, routes, shutdown).await
 }

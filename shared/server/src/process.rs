@@ -41,3 +41,26 @@ pub async fn shutdown_signal() {
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
 }
+
+/// Serve `routes` (the service, health, reflection) on `listener` with optional TLS until
+/// `shutdown` resolves, then let open calls finish: the gRPC host both services share.
+pub async fn serve_grpc(
+    listener: tokio::net::TcpListener,
+    tls: Option<tonic::transport::ServerTlsConfig>,
+    routes: tonic::service::Routes,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls)?;
+    }
+    server
+        .tcp_nodelay(true)
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await?;
+    Ok(())
+}
