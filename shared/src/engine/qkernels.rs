@@ -880,6 +880,65 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
     }
 }
 
+/// Q6_K sub-blocks `j`, `4 + j`, `8 + j`, `12 + j` (all four quarters) at once: each low-bit
+/// line and each high-bit line is loaded once for all of them (3 loads per 4 k-groups, against
+/// 8 in [`q6k_sub`]). Integer sums only, so the result equals [`q6k_sub`]'s exactly.
+#[inline(always)]
+unsafe fn q6k_quad<S: Simd, const R: usize>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    const QN: usize = 4;
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        let m30 = S::set1_i8(0x30);
+        let qs: [usize; QN] = [0, 1, 2, 3];
+        let sc: [S::I; QN] = std::array::from_fn(|i| {
+            S::load_i8_i32(main.add(3072 + 16 * (4 * qs[i] + j) + S::LANES * half))
+        });
+        let mut a = [[S::zero(); R]; QN];
+        for i in 0..QN {
+            for r in 0..R {
+                a[i][r] = S::bcast((*acts[r]).init16.as_ptr().add(4 * qs[i] + j) as *const u8);
+            }
+        }
+        for t in 0..4 {
+            let l = 4 * j + t;
+            let hv = S::load(main.add(2048 + 64 * l + 32 * half));
+            let va = S::load(main.add(64 * l + 32 * half));
+            let vb = S::load(main.add(64 * (16 + l) + 32 * half));
+            for i in 0..QN {
+                let q = qs[i];
+                let v = if q % 2 == 1 { vb } else { va };
+                let lo = if q >= 2 { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+                let hb = match q {
+                    0 => S::shl16(hv, 4),
+                    1 => S::shl16(hv, 2),
+                    2 => hv,
+                    _ => S::shr16(hv, 2),
+                };
+                let w = S::or(lo, S::and(hb, m30));
+                let g = 16 * q + l;
+                for r in 0..R {
+                    let x = S::bcast(bcast_q(acts[r], 4 * g));
+                    a[i][r] = S::dpbusd(a[i][r], w, x);
+                }
+            }
+        }
+        for r in 0..R {
+            let mut s = S::mullo(a[0][r], sc[0]);
+            for i in 1..QN {
+                s = S::add(s, S::mullo(a[i][r], sc[i]));
+            }
+            sumi[r] = S::add(sumi[r], s);
+        }
+    }
+}
+
 /// Q6_K sub-block `4·Q + j` (k-groups `16Q + 4j ..+4`; quarter `Q` fixes the nibble and the
 /// shift of the high bits): scale · (dot − 32 Σx), added to `sumi`.
 #[inline(always)]
@@ -928,6 +987,10 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
         }
     }
 }
+
+/// Row tiles up to this size (on 512-bit lanes; half on 256-bit) run Q6_K four quarters at a
+/// time ([`q6k_quad`]): `4·R` accumulators.
+const Q6K_QUAD_MAX_R: usize = 4;
 
 pub(crate) struct Q4K;
 pub(crate) struct Q6K;
@@ -1119,17 +1182,23 @@ impl Format for Q6K {
         unsafe {
             let lanes = S::LANES;
             let mut sumi = [S::zero(); R];
-            for j in 0..4 {
-                q6k_sub::<S, R, 0>(main, j, half, acts, &mut sumi);
-            }
-            for j in 0..4 {
-                q6k_sub::<S, R, 1>(main, j, half, acts, &mut sumi);
-            }
-            for j in 0..4 {
-                q6k_sub::<S, R, 2>(main, j, half, acts, &mut sumi);
-            }
-            for j in 0..4 {
-                q6k_sub::<S, R, 3>(main, j, half, acts, &mut sumi);
+            if R > Q6K_QUAD_MAX_R * S::LANES / 16 {
+                for j in 0..4 {
+                    q6k_sub::<S, R, 0>(main, j, half, acts, &mut sumi);
+                }
+                for j in 0..4 {
+                    q6k_sub::<S, R, 1>(main, j, half, acts, &mut sumi);
+                }
+                for j in 0..4 {
+                    q6k_sub::<S, R, 2>(main, j, half, acts, &mut sumi);
+                }
+                for j in 0..4 {
+                    q6k_sub::<S, R, 3>(main, j, half, acts, &mut sumi);
+                }
+            } else {
+                for j in 0..4 {
+                    q6k_quad::<S, R>(main, j, half, acts, &mut sumi);
+                }
             }
             let d = S::load_f16(aux.add(2 * lanes * half));
             for r in 0..R {
