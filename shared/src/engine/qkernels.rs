@@ -1465,9 +1465,52 @@ impl Format for Q4_1 {
 // ---------------------------------------------------------------------------------------------
 // Packed matrices.
 
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([u8; 64]);
+/// Zeroed bytes for repacked weights, 64-byte aligned, and 2 MiB aligned (with a huge-page
+/// hint, see [`advise_huge_pages`]) from 2 MiB up, so every 2 MiB of the matrix can be one page.
+struct WeightBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    layout: std::alloc::Layout,
+}
+
+// SAFETY: `WeightBuf` owns its bytes exclusively, like a `Vec<u8>`.
+unsafe impl Send for WeightBuf {}
+unsafe impl Sync for WeightBuf {}
+
+impl WeightBuf {
+    fn zeroed(len: usize) -> Self {
+        const HUGE: usize = 2 << 20;
+        let align = if len >= HUGE { HUGE } else { 64 };
+        let layout = std::alloc::Layout::from_size_align(len.max(64), align).expect("weight size");
+        // SAFETY: `layout` has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        // The hint goes before the first touch, so the zeroing faults in huge pages.
+        advise_huge_pages(raw, len);
+        // SAFETY: `len` bytes were just allocated.
+        unsafe { std::ptr::write_bytes(raw, 0, len) };
+        WeightBuf { ptr, len, layout }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` initialized bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` initialized bytes owned exclusively by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for WeightBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
 
 /// Software prefetch distance (bytes) when a group streams from memory: 4096, or
 /// `SEQUOIA_KERNEL_PF` (0 turns it off; read once).
@@ -1516,7 +1559,7 @@ fn advise_huge_pages(p: *mut u8, len: usize) {
 
 /// An `n × k` matrix in the interleaved layout of format `F`.
 pub(crate) struct Packed<F: Format> {
-    data: Vec<Line>,
+    data: WeightBuf,
     pub(crate) n: usize,
     pub(crate) k: usize,
     kb: usize,
@@ -1531,13 +1574,12 @@ impl<F: Format> Packed<F> {
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `Line` is 64 plain bytes.
-        unsafe { std::slice::from_raw_parts(self.data.as_ptr() as *const u8, self.data.len() * 64) }
+        self.data.as_slice()
     }
 
     /// Heap bytes held.
     pub(crate) fn size_bytes(&self) -> usize {
-        self.data.len() * 64
+        self.data.len
     }
 
     /// Repack `n` rows of `k / BLOCK` GGUF blocks each (`raw`: the tensor's bytes).
@@ -1554,14 +1596,8 @@ impl<F: Format> Packed<F> {
         };
         let gstride = (kb * (F::MAIN + F::AUX)).div_ceil(64) * 64;
         let groups = n.div_ceil(G);
-        let lines = groups * gstride / 64;
-        let mut data: Vec<Line> = Vec::with_capacity(lines);
-        advise_huge_pages(data.as_mut_ptr() as *mut u8, lines * 64);
-        data.resize(lines, Line([0; 64]));
-        // SAFETY: `Line` is 64 plain bytes.
-        let bytes: &mut [u8] = unsafe {
-            std::slice::from_raw_parts_mut(data.as_mut_ptr() as *mut u8, data.len() * 64)
-        };
+        let mut data = WeightBuf::zeroed(groups * gstride);
+        let bytes = data.as_mut_slice();
         bytes.par_chunks_mut(gstride).enumerate().for_each(|(gi, gb)| {
             let (main, aux) = gb.split_at_mut(kb * F::MAIN);
             for col in 0..G.min(n - gi * G) {
