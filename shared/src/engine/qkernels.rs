@@ -1531,13 +1531,15 @@ fn pf_dist<F: Format>(m: usize) -> usize {
     env.unwrap_or(if m <= F::PF_OFF_MAX_M { 0 } else { 4096 })
 }
 
-/// Prefetch the line at address `p` into L1 if it lies before `end`.
+/// Prefetch the line at address `p` into L2 if it lies before `end`. (Into L1, `T0`, the
+/// prefetches of a whole block hold the L1 miss buffers the demand loads wait for: 2× slower
+/// at 8 rows on Zen 4.)
 #[inline(always)]
 fn prefetch(p: usize, end: usize) {
     #[cfg(target_arch = "x86_64")]
     if p < end {
         // SAFETY: prefetch has no architectural effect; the address is inside the buffer.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, end);
