@@ -762,9 +762,9 @@ pub(crate) trait Format: Send + Sync + 'static {
     const MAIN: usize;
     /// Bytes of float scales per (group, block).
     const AUX: usize;
-    /// Up to this many input rows, the kernel reads a group's lines in address order fast
-    /// enough that the hardware prefetcher alone keeps up and software prefetch only costs
-    /// (measured on 8960 × 1536 from DRAM); above it, software prefetch runs ahead.
+    /// Up to this many input rows, no software prefetch: the kernel reads the group's lines in
+    /// address order slowly enough that the hardware prefetcher alone keeps up, and the
+    /// prefetches only cost (Q4_K at one row, measured on 8960 × 1536 from DRAM).
     const PF_OFF_MAX_M: usize = 0;
     fn decode(raw: &Self::Raw) -> ColBlock;
     /// Write column `col`'s block into a zeroed (group, block) slot.
@@ -1010,7 +1010,7 @@ impl Format for Q4K {
     // 32 nibble lines, 8 × 16 scales, 4 × 32 mins.
     const MAIN: usize = 2048 + 128 + 128;
     const AUX: usize = 64;
-    const PF_OFF_MAX_M: usize = 4;
+    const PF_OFF_MAX_M: usize = 1;
 
     fn decode(b: &BlockQ4K) -> ColBlock {
         let mut c = ColBlock::ZERO;
@@ -1518,8 +1518,9 @@ impl Drop for WeightBuf {
 }
 
 /// Software prefetch distance (bytes) when a group streams from memory for `m` rows of format
-/// `F`: 4096, or none up to [`Format::PF_OFF_MAX_M`] rows; `SEQUOIA_KERNEL_PF` overrides both
-/// (0 turns it off; read once).
+/// `F`: 8192 (into L2; the best of 0 / 4096 / 8192 at 1..16 rows on 8960 × 1536 from DRAM), none
+/// up to [`Format::PF_OFF_MAX_M`] rows; `SEQUOIA_KERNEL_PF` overrides both (0 turns it off;
+/// read once).
 fn pf_dist<F: Format>(m: usize) -> usize {
     use std::sync::OnceLock;
     static D: OnceLock<Option<usize>> = OnceLock::new();
@@ -1528,7 +1529,7 @@ fn pf_dist<F: Format>(m: usize) -> usize {
             .ok()
             .and_then(|v| v.parse().ok())
     });
-    env.unwrap_or(if m <= F::PF_OFF_MAX_M { 0 } else { 4096 })
+    env.unwrap_or(if m <= F::PF_OFF_MAX_M { 0 } else { 8192 })
 }
 
 /// Prefetch the line at address `p` into L2 if it lies before `end`. (Into L1, `T0`, the
