@@ -762,6 +762,10 @@ pub(crate) trait Format: Send + Sync + 'static {
     const MAIN: usize;
     /// Bytes of float scales per (group, block).
     const AUX: usize;
+    /// Up to this many input rows, no software prefetch: the kernel reads the group's lines in
+    /// address order slowly enough that the hardware prefetcher alone keeps up, and the
+    /// prefetches only cost (Q4_K at one row, measured on 8960 × 1536 from DRAM).
+    const PF_OFF_MAX_M: usize = 0;
     fn decode(raw: &Self::Raw) -> ColBlock;
     /// Write column `col`'s block into a zeroed (group, block) slot.
     fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock);
@@ -880,6 +884,65 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
     }
 }
 
+/// Q6_K sub-blocks `j`, `4 + j`, `8 + j`, `12 + j` (all four quarters) at once: each low-bit
+/// line and each high-bit line is loaded once for all of them (3 loads per 4 k-groups, against
+/// 8 in [`q6k_sub`]). Integer sums only, so the result equals [`q6k_sub`]'s exactly.
+#[inline(always)]
+unsafe fn q6k_quad<S: Simd, const R: usize>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    const QN: usize = 4;
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        let m30 = S::set1_i8(0x30);
+        let qs: [usize; QN] = [0, 1, 2, 3];
+        let sc: [S::I; QN] = std::array::from_fn(|i| {
+            S::load_i8_i32(main.add(3072 + 16 * (4 * qs[i] + j) + S::LANES * half))
+        });
+        let mut a = [[S::zero(); R]; QN];
+        for i in 0..QN {
+            for r in 0..R {
+                a[i][r] = S::bcast((*acts[r]).init16.as_ptr().add(4 * qs[i] + j) as *const u8);
+            }
+        }
+        for t in 0..4 {
+            let l = 4 * j + t;
+            let hv = S::load(main.add(2048 + 64 * l + 32 * half));
+            let va = S::load(main.add(64 * l + 32 * half));
+            let vb = S::load(main.add(64 * (16 + l) + 32 * half));
+            for i in 0..QN {
+                let q = qs[i];
+                let v = if q % 2 == 1 { vb } else { va };
+                let lo = if q >= 2 { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+                let hb = match q {
+                    0 => S::shl16(hv, 4),
+                    1 => S::shl16(hv, 2),
+                    2 => hv,
+                    _ => S::shr16(hv, 2),
+                };
+                let w = S::or(lo, S::and(hb, m30));
+                let g = 16 * q + l;
+                for r in 0..R {
+                    let x = S::bcast(bcast_q(acts[r], 4 * g));
+                    a[i][r] = S::dpbusd(a[i][r], w, x);
+                }
+            }
+        }
+        for r in 0..R {
+            let mut s = S::mullo(a[0][r], sc[0]);
+            for i in 1..QN {
+                s = S::add(s, S::mullo(a[i][r], sc[i]));
+            }
+            sumi[r] = S::add(sumi[r], s);
+        }
+    }
+}
+
 /// Q6_K sub-block `4·Q + j` (k-groups `16Q + 4j ..+4`; quarter `Q` fixes the nibble and the
 /// shift of the high bits): scale · (dot − 32 Σx), added to `sumi`.
 #[inline(always)]
@@ -929,6 +992,10 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
     }
 }
 
+/// Row tiles up to this size (on 512-bit lanes; half on 256-bit) run Q6_K four quarters at a
+/// time ([`q6k_quad`]): `4·R` accumulators.
+const Q6K_QUAD_MAX_R: usize = 4;
+
 pub(crate) struct Q4K;
 pub(crate) struct Q6K;
 pub(crate) struct Q5_0;
@@ -943,6 +1010,7 @@ impl Format for Q4K {
     // 32 nibble lines, 8 × 16 scales, 4 × 32 mins.
     const MAIN: usize = 2048 + 128 + 128;
     const AUX: usize = 64;
+    const PF_OFF_MAX_M: usize = 1;
 
     fn decode(b: &BlockQ4K) -> ColBlock {
         let mut c = ColBlock::ZERO;
@@ -1119,17 +1187,23 @@ impl Format for Q6K {
         unsafe {
             let lanes = S::LANES;
             let mut sumi = [S::zero(); R];
-            for j in 0..4 {
-                q6k_sub::<S, R, 0>(main, j, half, acts, &mut sumi);
-            }
-            for j in 0..4 {
-                q6k_sub::<S, R, 1>(main, j, half, acts, &mut sumi);
-            }
-            for j in 0..4 {
-                q6k_sub::<S, R, 2>(main, j, half, acts, &mut sumi);
-            }
-            for j in 0..4 {
-                q6k_sub::<S, R, 3>(main, j, half, acts, &mut sumi);
+            if R > Q6K_QUAD_MAX_R * S::LANES / 16 {
+                for j in 0..4 {
+                    q6k_sub::<S, R, 0>(main, j, half, acts, &mut sumi);
+                }
+                for j in 0..4 {
+                    q6k_sub::<S, R, 1>(main, j, half, acts, &mut sumi);
+                }
+                for j in 0..4 {
+                    q6k_sub::<S, R, 2>(main, j, half, acts, &mut sumi);
+                }
+                for j in 0..4 {
+                    q6k_sub::<S, R, 3>(main, j, half, acts, &mut sumi);
+                }
+            } else {
+                for j in 0..4 {
+                    q6k_quad::<S, R>(main, j, half, acts, &mut sumi);
+                }
             }
             let d = S::load_f16(aux.add(2 * lanes * half));
             for r in 0..R {
@@ -1396,38 +1470,105 @@ impl Format for Q4_1 {
 // ---------------------------------------------------------------------------------------------
 // Packed matrices.
 
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([u8; 64]);
+/// Zeroed bytes for repacked weights, 64-byte aligned, and 2 MiB aligned (with a huge-page
+/// hint, see [`advise_huge_pages`]) from 2 MiB up, so every 2 MiB of the matrix can be one page.
+struct WeightBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+    layout: std::alloc::Layout,
+}
 
-/// Software prefetch distance (bytes) when a group streams from memory: 4096, or
-/// `SEQUOIA_KERNEL_PF` (0 turns it off; read once).
-fn pf_dist() -> usize {
+// SAFETY: `WeightBuf` owns its bytes exclusively, like a `Vec<u8>`.
+unsafe impl Send for WeightBuf {}
+unsafe impl Sync for WeightBuf {}
+
+impl WeightBuf {
+    fn zeroed(len: usize) -> Self {
+        const HUGE: usize = 2 << 20;
+        let align = if len >= HUGE { HUGE } else { 64 };
+        let layout = std::alloc::Layout::from_size_align(len.max(64), align).expect("weight size");
+        // SAFETY: `layout` has a non-zero size.
+        let raw = unsafe { std::alloc::alloc(layout) };
+        let Some(ptr) = std::ptr::NonNull::new(raw) else {
+            std::alloc::handle_alloc_error(layout)
+        };
+        // The hint goes before the first touch, so the zeroing faults in huge pages.
+        advise_huge_pages(raw, len);
+        // SAFETY: `len` bytes were just allocated.
+        unsafe { std::ptr::write_bytes(raw, 0, len) };
+        WeightBuf { ptr, len, layout }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` initialized bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` initialized bytes owned exclusively by `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for WeightBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// Software prefetch distance (bytes) when a group streams from memory for `m` rows of format
+/// `F`: 8192 (into L2; the best of 0 / 4096 / 8192 at 1..16 rows on 8960 × 1536 from DRAM), none
+/// up to [`Format::PF_OFF_MAX_M`] rows; `SEQUOIA_KERNEL_PF` overrides both (0 turns it off;
+/// read once).
+fn pf_dist<F: Format>(m: usize) -> usize {
     use std::sync::OnceLock;
-    static D: OnceLock<usize> = OnceLock::new();
-    *D.get_or_init(|| {
+    static D: OnceLock<Option<usize>> = OnceLock::new();
+    let env = *D.get_or_init(|| {
         std::env::var("SEQUOIA_KERNEL_PF")
             .ok()
             .and_then(|v| v.parse().ok())
-            .unwrap_or(4096)
-    })
+    });
+    env.unwrap_or(if m <= F::PF_OFF_MAX_M { 0 } else { 8192 })
 }
 
-/// Prefetch the line at address `p` into L1 if it lies before `end`.
+/// Prefetch the line at address `p` into L2 if it lies before `end`. (Into L1, `T0`, the
+/// prefetches of a whole block hold the L1 miss buffers the demand loads wait for: 2× slower
+/// at 8 rows on Zen 4.)
 #[inline(always)]
 fn prefetch(p: usize, end: usize) {
     #[cfg(target_arch = "x86_64")]
     if p < end {
         // SAFETY: prefetch has no architectural effect; the address is inside the buffer.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, end);
 }
 
+/// Ask for transparent huge pages on the 2 MiB-aligned part of a fresh, not yet touched
+/// allocation: the weights stream from memory once per token, and with 4 KiB pages every 4 KiB
+/// of the stream costs a TLB miss (a page walk in front of the loads and the prefetches). A
+/// hint only: where the kernel refuses, nothing changes.
+fn advise_huge_pages(p: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let start = (p as usize).next_multiple_of(HUGE);
+        let end = (p as usize + len) / HUGE * HUGE;
+        if end > start {
+            // SAFETY: the range lies inside an allocation we own; MADV_HUGEPAGE changes no
+            // contents, only how future faults are served.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (p, len);
+}
+
 /// An `n × k` matrix in the interleaved layout of format `F`.
 pub(crate) struct Packed<F: Format> {
-    data: Vec<Line>,
+    data: WeightBuf,
     pub(crate) n: usize,
     pub(crate) k: usize,
     kb: usize,
@@ -1442,13 +1583,12 @@ impl<F: Format> Packed<F> {
     }
 
     fn bytes(&self) -> &[u8] {
-        // SAFETY: `Line` is 64 plain bytes.
-        unsafe { std::slice::from_raw_parts(self.data.as_ptr() as *const u8, self.data.len() * 64) }
+        self.data.as_slice()
     }
 
     /// Heap bytes held.
     pub(crate) fn size_bytes(&self) -> usize {
-        self.data.len() * 64
+        self.data.len
     }
 
     /// Repack `n` rows of `k / BLOCK` GGUF blocks each (`raw`: the tensor's bytes).
@@ -1465,11 +1605,8 @@ impl<F: Format> Packed<F> {
         };
         let gstride = (kb * (F::MAIN + F::AUX)).div_ceil(64) * 64;
         let groups = n.div_ceil(G);
-        let mut data = vec![Line([0; 64]); groups * gstride / 64];
-        // SAFETY: `Line` is 64 plain bytes.
-        let bytes: &mut [u8] = unsafe {
-            std::slice::from_raw_parts_mut(data.as_mut_ptr() as *mut u8, data.len() * 64)
-        };
+        let mut data = WeightBuf::zeroed(groups * gstride);
+        let bytes = data.as_mut_slice();
         bytes.par_chunks_mut(gstride).enumerate().for_each(|(gi, gb)| {
             let (main, aux) = gb.split_at_mut(kb * F::MAIN);
             for col in 0..G.min(n - gi * G) {
@@ -1528,7 +1665,7 @@ impl<F: Format> Packed<F> {
         // Rows per cache block: a group's weights are reused for this many rows from L1/L2.
         const RB: usize = 64;
         let halves = G / S::LANES;
-        let dist = pf_dist();
+        let dist = pf_dist::<F>(m);
         for r0 in (0..m).step_by(RB) {
             let r1 = (r0 + RB).min(m);
             for gi in groups.clone() {
