@@ -387,7 +387,9 @@ run_llama_bench() {
     local bench=$bindir/llama-bench depth=()
     # shellcheck disable=SC2206
     local xargs=($extra)
-    if "$bench" --help 2>&1 | grep -q -- '--n-depth'; then
+    local help
+    help=$("$bench" --help 2>&1 || true) # not piped into grep -q: SIGPIPE + pipefail would lie
+    if grep -q -- '--n-depth' <<<"$help"; then
         depth=(-d "$CONTEXT")
         echo "$CONTEXT" >"$WORK/$key.depth"
     else
