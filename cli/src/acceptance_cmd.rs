@@ -7,13 +7,13 @@
 
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
-use sequoia_engine::drafting::DraftSession;
-use sequoia_engine::{LoadOptions, Model};
 use sequoia_core::sampling::{SamplingParams, SessionRng, VERIFY_STREAM};
 use sequoia_core::stats::AcceptanceCounts;
-use sequoia_engine::tokenizer::{ChatMessage, TextTokenizer};
 use sequoia_core::tree::Tree;
 use sequoia_core::verify::{verify_with_logits, Step};
+use sequoia_engine::drafting::DraftSession;
+use sequoia_engine::tokenizer::{ChatMessage, TextTokenizer};
+use sequoia_engine::{LoadOptions, Model};
 use serde::Serialize;
 use std::path::PathBuf;
 
@@ -184,7 +184,12 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
             cache.keep_newest(tree.len(), &keep)?;
             ds.commit(&drafted, &verdict.accepted)?;
             let emitted = verdict.emitted(&drafted.tokens);
-            counts.record_step(tree, &verdict.accepted, verdict.ranks.iter().copied(), emitted.len());
+            counts.record_step(
+                tree,
+                &verdict.accepted,
+                verdict.ranks.iter().copied(),
+                emitted.len(),
+            );
             produced += emitted.len();
             root = verdict.next_token;
             if emitted.iter().any(|&t| tok.is_eos(t))

@@ -2,15 +2,15 @@
 //! services on this machine, one generation through them, and the target alone for comparison).
 
 use anyhow::{bail, Context, Result};
-use sequoia_proto::v1::generation_client::GenerationClient;
-use sequoia_proto::v1::{GenerateRequest, GenerateSummary};
-use sequoia_engine::{LoadOptions, Model};
-use sequoia_models as models;
 use sequoia_core::sampling::{
     argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
 };
-use sequoia_server::security::{self, BearerToken, ClientSecurity};
 use sequoia_engine::tokenizer::{ChatMessage, TextTokenizer};
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_models as models;
+use sequoia_proto::v1::generation_client::GenerationClient;
+use sequoia_proto::v1::{GenerateRequest, GenerateSummary};
+use sequoia_server::security::{self, BearerToken, ClientSecurity};
 use serde::Serialize;
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -10,14 +10,14 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use sequoia_engine::{LoadOptions, Model};
 use sequoia_core::sampling::{
     argmax, probs_from_logits, sample_dense, SamplingParams, SessionRng, VERIFY_STREAM,
 };
-use sequoia_engine::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
 use sequoia_core::tree::Tree;
 use sequoia_core::types::FinishReason;
+use sequoia_engine::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
 use sequoia_engine::{kernels, roofline};
+use sequoia_engine::{LoadOptions, Model};
 use serde::Serialize;
 
 /// A model argument: a path (GGUF file or Hugging Face folder) or a default model's short name
@@ -28,8 +28,7 @@ pub fn resolve_model(arg: &str) -> Result<PathBuf> {
         return Ok(path);
     }
     if sequoia_models::spec(arg).is_ok() {
-        return sequoia_models::ensure_model(arg)
-            .with_context(|| format!("fetching model {arg}"));
+        return sequoia_models::ensure_model(arg).with_context(|| format!("fetching model {arg}"));
     }
     bail!("model {arg:?} is neither an existing path nor a known model name")
 }
@@ -471,9 +470,9 @@ struct KernelReport {
 /// Qwen2.5-1.5B (8960 × 1536), weights cycled through enough copies to stream from DRAM as
 /// in a forward pass.
 fn kernel_bench(args: &EngineBenchArgs) -> Result<()> {
-    let threads = args.threads.unwrap_or_else(|| {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    });
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if !args.json {
         eprintln!("measuring this machine's peaks ({threads} threads for bandwidth) ...");
     }

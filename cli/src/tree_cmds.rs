@@ -175,9 +175,9 @@ pub struct ProfileArgs {
 
 /// Measure t_v(n) and t_d(w) on this machine and write a planner profile.
 pub fn profile(args: &ProfileArgs) -> Result<()> {
-    use sequoia_engine::{LoadOptions, Model};
     use sequoia_core::planner::cost::{CostCurve, NetworkProfile, Profile};
     use sequoia_engine::profiling::{measure_draft, measure_verify, DEFAULT_SIZES};
+    use sequoia_engine::{LoadOptions, Model};
     let opts = LoadOptions {
         threads: args.threads,
         ..LoadOptions::default()

@@ -6,17 +6,17 @@
 //! plan is recomputed as it and the observed step times move.
 
 use crate::config::TreeConfig;
-use sequoia_proto::v1::{PingRequest, ProfileRequest, TreePlan};
-use sequoia_engine::Model;
+use sequoia_core::limits;
 use sequoia_core::planner::cost::{
     choose, CostCurve, NetworkProfile, NodeCosts, Prediction, Profile,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
-use sequoia_core::limits;
 use sequoia_core::stats::RankCounts;
+use sequoia_core::tree::Tree;
 use sequoia_core::types::TreeMode;
 use sequoia_engine::profiling;
-use sequoia_core::tree::Tree;
+use sequoia_engine::Model;
+use sequoia_proto::v1::{PingRequest, ProfileRequest, TreePlan};
 use std::sync::Mutex;
 use std::time::Instant;
 use tonic::Status;
@@ -272,11 +272,11 @@ impl Planner {
         let best = auto.best;
         let mut plan = ActivePlan::fixed(&p, best.nodes, best.levels).map_err(|e| e.to_string())?;
         if best.nodes == 1 {
-            let optimistic = self
-                .counts(greedy)
-                .lock()
-                .unwrap()
-                .upper_estimate(&self.cfg.acceptance, PRIOR_TRIALS, PROBE_CONFIDENCE_Z);
+            let optimistic = self.counts(greedy).lock().unwrap().upper_estimate(
+                &self.cfg.acceptance,
+                PRIOR_TRIALS,
+                PROBE_CONFIDENCE_Z,
+            );
             let hope = choose(
                 &profile,
                 &optimistic,
@@ -305,7 +305,9 @@ mod tests {
     fn upper_estimate_is_optimistic_and_tightens_with_data() {
         let prior = [0.6, 0.1];
         let mut c = RankCounts::default();
-        let gap = |c: &RankCounts| c.upper_estimate(&prior, PRIOR_TRIALS, 2.0)[0] - c.estimate(&prior, PRIOR_TRIALS)[0];
+        let gap = |c: &RankCounts| {
+            c.upper_estimate(&prior, PRIOR_TRIALS, 2.0)[0] - c.estimate(&prior, PRIOR_TRIALS)[0]
+        };
         let before = gap(&c);
         assert!(
             before > 0.1,
@@ -314,7 +316,12 @@ mod tests {
         c.add(&RankCounts::new(vec![600, 50], vec![1000, 600]));
         let after = gap(&c);
         assert!(after > 0.0 && after < before / 5.0, "{before} -> {after}");
-        assert!(c.upper_estimate(&prior, PRIOR_TRIALS, 2.0).iter().sum::<f64>() <= 1.0 + 1e-12);
+        assert!(
+            c.upper_estimate(&prior, PRIOR_TRIALS, 2.0)
+                .iter()
+                .sum::<f64>()
+                <= 1.0 + 1e-12
+        );
     }
 
     #[test]

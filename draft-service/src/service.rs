@@ -52,7 +52,9 @@ impl Generation for GenerationService {
         let state = self.state.clone();
         state.metrics.request();
         let slot = state.admission.try_acquire().map_err(|r| match r {
-            Refused::Draining => Status::unavailable("draft node is shutting down; retry on another"),
+            Refused::Draining => {
+                Status::unavailable("draft node is shutting down; retry on another")
+            }
             Refused::Full { active, max } => Status::resource_exhausted(format!(
                 "draft node is busy ({active} of {max} generations running); retry later"
             )),

@@ -98,4 +98,3 @@ fn verify_security(c: &DraftConfig) -> anyhow::Result<ClientSecurity> {
         BearerToken::new(&c.verify_token, &c.verify_token_file).context("verify_token settings")?;
     Ok(ClientSecurity { tls, token })
 }
-

@@ -3,17 +3,17 @@
 //! one abruptly), and plain target-only decoding to compare against.
 
 use draft_service::config::{DraftConfig, TreeConfig};
-use sequoia_proto::v1::generation_client::GenerationClient;
-use sequoia_proto::v1::{GenerateChunk, GenerateRequest, GenerateSummary};
-use sequoia_engine::testing::{write_tiny_model, TinyArch, TinySpec};
-use sequoia_engine::{LoadOptions, Model};
-use sequoia_server::metrics::Metrics;
 use sequoia_core::sampling::{argmax, probs_from_logits, SamplingParams};
-use sequoia_server::security::ClientSecurity;
+use sequoia_engine::testing::{write_tiny_model, TinyArch, TinySpec};
 use sequoia_engine::tokenizer::testing::{
     write_tiny_tokenizer, write_tiny_tokenizer_variant, TINY_VOCAB_SIZE,
 };
 use sequoia_engine::tokenizer::TextTokenizer;
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_proto::v1::generation_client::GenerationClient;
+use sequoia_proto::v1::{GenerateChunk, GenerateRequest, GenerateSummary};
+use sequoia_server::metrics::Metrics;
+use sequoia_server::security::ClientSecurity;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;

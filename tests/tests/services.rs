@@ -1,11 +1,11 @@
 //! Both services end to end on tiny random-weight models made by the test.
 
+use sequoia_core::sampling::SamplingParams;
 use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::{
     session_request, session_response, OpenSession, SamplingConfig, SessionRequest, SparseDist,
     VerifyTree,
 };
-use sequoia_core::sampling::SamplingParams;
 use sequoia_tests::*;
 use tonic::Code;
 

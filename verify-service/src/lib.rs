@@ -17,10 +17,10 @@ pub mod session;
 
 use anyhow::Context;
 use config::VerifyConfig;
-use sequoia_proto::v1::verifier_server::VerifierServer;
-use sequoia_engine::{LoadOptions, Model};
-use sequoia_server::{process, security};
 use sequoia_engine::tokenizer::TextTokenizer;
+use sequoia_engine::{LoadOptions, Model};
+use sequoia_proto::v1::verifier_server::VerifierServer;
+use sequoia_server::{process, security};
 use service::{VerifierService, VerifyState};
 use std::future::Future;
 use std::sync::Arc;
@@ -122,6 +122,8 @@ pub async fn serve(
         health = ?probe_endpoint.as_ref().map(|p| p.addr),
         "verify-service listening"
     );
-    let routes = Routes::new(health).add_service(reflection).add_service(verifier);
+    let routes = Routes::new(health)
+        .add_service(reflection)
+        .add_service(verifier);
     process::serve_grpc(listener, tls, routes, shutdown).await
 }

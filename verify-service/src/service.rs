@@ -3,13 +3,13 @@
 
 use crate::config::VerifyConfig;
 use crate::session::{SessionError, SessionLimits, VerifySession};
+use sequoia_engine::tokenizer::TextTokenizer;
+use sequoia_engine::Model;
 use sequoia_proto::v1::verifier_server::Verifier;
 use sequoia_proto::v1::{
     session_request, session_response, InfoRequest, InfoResponse, PingRequest, PingResponse,
     ProfileRequest, ProfileResponse, SessionOpened, SessionRequest, SessionResponse,
 };
-use sequoia_engine::tokenizer::TextTokenizer;
-use sequoia_engine::Model;
 use sequoia_server::admission::{Admission, Permit, Refused};
 use sequoia_server::metrics::Metrics;
 use sequoia_server::wire;

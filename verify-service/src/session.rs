@@ -2,10 +2,10 @@
 //! (validate → one tree-masked forward → exact verification → compact the cache to the
 //! accepted path). Plain library code; the gRPC layer only translates messages and errors.
 
-use sequoia_engine::{EngineError, KvCache, Model};
 use sequoia_core::sampling::{SamplingParams, SessionRng, SparseDist, VERIFY_STREAM};
 use sequoia_core::tree::{Tree, TreeLimits};
 use sequoia_core::verify::{verify_with_logits, Step, Verdict};
+use sequoia_engine::{EngineError, KvCache, Model};
 use std::time::Instant;
 
 /// Limits a session enforces on each message.

@@ -75,7 +75,6 @@ pub(super) fn spine(width: usize, depth: usize) -> Tree {
     Tree::from_parents(&parents).expect("a spine is a valid tree")
 }
 
-
 /// Acceptance vector for temperature `t`: given, stored from an earlier start, or measured now.
 pub(super) async fn calibrate(
     args: &BenchArgs,
@@ -131,7 +130,6 @@ pub(super) async fn calibrate(
         trials_by_rank: counts.trials,
     })
 }
-
 
 /// Errors that mean the services are gone: stop the bench instead of recording a failure.
 pub(super) fn is_fatal(s: &tonic::Status) -> bool {

@@ -8,8 +8,8 @@ use crate::nodes::{unavailable, Reservation, VerifyNode};
 use crate::state::DraftState;
 use sequoia_core::limits::MAX_FAILOVERS;
 use sequoia_proto::v1::{
-    session_request, session_response, OpenSession, SamplingConfig, SessionOpened,
-    SessionRequest, SessionResponse, Verdict, VerifyTree,
+    session_request, session_response, OpenSession, SamplingConfig, SessionOpened, SessionRequest,
+    SessionResponse, Verdict, VerifyTree,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -86,7 +86,8 @@ impl VerifyLink {
             match self.link.verify(message(), timeout).await {
                 Ok(v) => return Ok((v, t_rt.elapsed())),
                 Err(e) if e.code() == Code::Unavailable && self.failovers < MAX_FAILOVERS => {
-                    self.move_session(state, &e, &committed(), remaining).await?;
+                    self.move_session(state, &e, &committed(), remaining)
+                        .await?;
                 }
                 Err(e) => return Err(e),
             }
@@ -121,7 +122,9 @@ impl VerifyLink {
                     e2.message()
                 ))
             })?;
-        self.context_limit = self.context_limit.min(self.link.opened.context_limit as usize);
+        self.context_limit = self
+            .context_limit
+            .min(self.link.opened.context_limit as usize);
         tracing::info!(node = %self.addr(), "session moved");
         Ok(())
     }
@@ -198,7 +201,11 @@ impl Link {
     }
 
     /// Send one tree (numbered here, per session) and wait for its verdict.
-    pub(super) async fn verify(&mut self, mut tree: VerifyTree, timeout: Duration) -> Result<Verdict, Status> {
+    pub(super) async fn verify(
+        &mut self,
+        mut tree: VerifyTree,
+        timeout: Duration,
+    ) -> Result<Verdict, Status> {
         let step = self.next_step;
         tree.step = step;
         let addr = self.addr().to_string();
@@ -280,13 +287,11 @@ fn short(s: &str) -> &str {
     &s[..s.len().min(12)]
 }
 
-
 /// Seed of the verify side's random stream after the k-th move, so a moved session never
 /// reuses the uniforms its earlier steps consumed.
 fn moved_seed(seed: u64, k: u32) -> u64 {
     seed ^ (k as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
-
 
 async fn next_response(
     inbound: &mut tonic::Streaming<sequoia_proto::v1::SessionResponse>,

@@ -122,7 +122,10 @@ impl<'a> Generation<'a> {
         prep: &'a Prepared,
     ) -> Result<(Generation<'a>, DraftSession), Status> {
         let prompt = &prep.prompt_tokens;
-        let (prefix, root) = (prompt[..prompt.len() - 1].to_vec(), prompt[prompt.len() - 1]);
+        let (prefix, root) = (
+            prompt[..prompt.len() - 1].to_vec(),
+            prompt[prompt.len() - 1],
+        );
         let model = state.model.clone();
         let (params, seed, wire_k) = (prep.params, prep.seed, state.config.wire_top_k);
         let t_prefill = Instant::now();
@@ -172,7 +175,11 @@ impl<'a> Generation<'a> {
         let steps = self.steps();
         if steps > 0 && steps % self.state.planner.replan_every() == 0 {
             self.fold_acceptance();
-            self.plan = plan(self.state, self.costs.as_ref(), self.prep.params.is_greedy())?;
+            self.plan = plan(
+                self.state,
+                self.costs.as_ref(),
+                self.prep.params.is_greedy(),
+            )?;
             self.replans += 1;
         }
         Ok(())
@@ -237,9 +244,14 @@ impl<'a> Generation<'a> {
         self.times.roundtrip += round_trip;
         self.times.verify_ms += verdict.verify_ms;
         // Only full-size trees are comparable with the plan's prediction.
-        if let (Some(pred), true) = (&self.plan.prediction, nodes == self.plan.shape(usize::MAX).len()) {
+        if let (Some(pred), true) = (
+            &self.plan.prediction,
+            nodes == self.plan.shape(usize::MAX).len(),
+        ) {
             let draft_ms = self.times.last_draft.as_secs_f64() * 1e3;
-            self.state.planner.observe_times(pred, verdict.verify_ms, draft_ms);
+            self.state
+                .planner
+                .observe_times(pred, verdict.verify_ms, draft_ms);
         }
         if verdict.next_token as usize >= self.state.model.info().vocab_size {
             return Err(Status::internal(format!(
@@ -266,7 +278,12 @@ impl<'a> Generation<'a> {
         let ranks = verdict.accepted_ranks.iter().map(|&r| r as usize);
         self.counts
             .record_step(&drafted.tree, &accepted, ranks, accepted.len() + 1);
-        debug!(step = self.steps(), accepted = accepted.len(), nodes = drafted.tree.len(), "step");
+        debug!(
+            step = self.steps(),
+            accepted = accepted.len(),
+            nodes = drafted.tree.len(),
+            "step"
+        );
         let mut emitted: Vec<u32> = accepted.iter().map(|&v| drafted.tokens[v]).collect();
         emitted.push(verdict.next_token);
         self.root = verdict.next_token;
@@ -360,4 +377,3 @@ async fn node_costs(
     *slot = Some(costs.clone());
     Ok(Some(costs))
 }
-

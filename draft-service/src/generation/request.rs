@@ -52,7 +52,12 @@ pub fn prepare(state: &DraftState, req: &GenerateRequest) -> Result<Prepared, St
             limits::MAX_STOP_STRINGS
         )));
     }
-    if let Some((i, s)) = req.stop.iter().enumerate().find(|(_, s)| s.len() > limits::MAX_STOP_BYTES) {
+    if let Some((i, s)) = req
+        .stop
+        .iter()
+        .enumerate()
+        .find(|(_, s)| s.len() > limits::MAX_STOP_BYTES)
+    {
         return Err(invalid(format!(
             "stop[{i}]: {} bytes exceed the limit of {}",
             s.len(),
@@ -138,4 +143,3 @@ fn rand_seed() -> u64 {
     );
     h.finish()
 }
-

@@ -35,7 +35,11 @@ impl Generation<'_> {
             prompt_tokens: self.prep.prompt_tokens.len() as u32,
             generated_tokens: n as u32,
             steps,
-            mean_tokens_per_step: if steps > 0 { n as f64 / steps as f64 } else { 0.0 },
+            mean_tokens_per_step: if steps > 0 {
+                n as f64 / steps as f64
+            } else {
+                0.0
+            },
             accepted_by_rank: by_rank.accepted,
             trials_by_rank: by_rank.trials,
             timings: Some(Timings {
@@ -44,7 +48,11 @@ impl Generation<'_> {
                 draft_ms: t.draft.as_secs_f64() * 1e3,
                 verify_ms: t.verify_ms,
                 network_ms: (t.roundtrip.as_secs_f64() * 1e3 - t.verify_ms).max(0.0),
-                tokens_per_second: if gen_secs > 0.0 { n as f64 / gen_secs } else { 0.0 },
+                tokens_per_second: if gen_secs > 0.0 {
+                    n as f64 / gen_secs
+                } else {
+                    0.0
+                },
             }),
             finish_reason: finish.as_str().into(),
             seed: self.prep.seed,

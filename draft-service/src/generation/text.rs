@@ -22,7 +22,12 @@ impl<'a> TextOut<'a> {
             text: String::new(),
             sent: 0,
             // Text that could be the start of a stop string is held back until it cannot.
-            hold: stop.iter().map(|s| s.len()).max().unwrap_or(1).saturating_sub(1),
+            hold: stop
+                .iter()
+                .map(|s| s.len())
+                .max()
+                .unwrap_or(1)
+                .saturating_sub(1),
             stop: stop.to_vec(),
         }
     }
@@ -72,4 +77,3 @@ fn floor_char(s: &str, mut i: usize) -> usize {
     }
     i
 }
-

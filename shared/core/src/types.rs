@@ -65,7 +65,9 @@ impl std::str::FromStr for TreeMode {
         match s {
             "auto" => Ok(TreeMode::Auto),
             "fixed" => Ok(TreeMode::Fixed),
-            m => Err(format!("tree.mode must be \"auto\" or \"fixed\", got {m:?}")),
+            m => Err(format!(
+                "tree.mode must be \"auto\" or \"fixed\", got {m:?}"
+            )),
         }
     }
 }

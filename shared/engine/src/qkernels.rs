@@ -404,12 +404,16 @@ impl Simd for Scalar {
     #[inline(always)]
     unsafe fn load_u8_i16(p: *const u8) -> [u32; 16] {
         // SAFETY: caller: 32 readable bytes.
-        std::array::from_fn(|i| unsafe { *p.add(2 * i) as u32 | ((*p.add(2 * i + 1) as u32) << 16) })
+        std::array::from_fn(|i| unsafe {
+            *p.add(2 * i) as u32 | ((*p.add(2 * i + 1) as u32) << 16)
+        })
     }
     #[inline(always)]
     unsafe fn load_f16(p: *const u8) -> [f32; 16] {
         // SAFETY: caller: 32 readable bytes.
-        std::array::from_fn(|i| f16_to_f32(unsafe { (p.add(2 * i) as *const u16).read_unaligned() }))
+        std::array::from_fn(|i| {
+            f16_to_f32(unsafe { (p.add(2 * i) as *const u16).read_unaligned() })
+        })
     }
     #[inline(always)]
     unsafe fn fbcast(v: f32) -> [f32; 16] {
@@ -743,8 +747,22 @@ mod x86 {
         _mm256_dpwssd_avx_epi32(acc, a, b)
     }
 
-    impl256!(false, "avx2,fma,f16c", dpbusd_avx2, dpwssd_avx2, q8dot_avx2, false);
-    impl256!(true, "avx2,fma,f16c,avxvnni", dpbusd_vnni, dpwssd_vnni, dpbusd_vnni, true);
+    impl256!(
+        false,
+        "avx2,fma,f16c",
+        dpbusd_avx2,
+        dpwssd_avx2,
+        q8dot_avx2,
+        false
+    );
+    impl256!(
+        true,
+        "avx2,fma,f16c,avxvnni",
+        dpbusd_vnni,
+        dpwssd_vnni,
+        dpbusd_vnni,
+        true
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -866,7 +884,11 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
         for t in 0..8 {
             let c = 8 * j + t;
             let v = S::load(main.add(64 * c + 32 * half));
-            let w = if HI { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+            let w = if HI {
+                S::and(S::shr16(v, 4), m4)
+            } else {
+                S::and(v, m4)
+            };
             let g = 32 * HI as usize + c;
             for r in 0..R {
                 let x = S::bcast(bcast_q(acts[r], 4 * g));
@@ -918,7 +940,11 @@ unsafe fn q6k_quad<S: Simd, const R: usize>(
             for i in 0..QN {
                 let q = qs[i];
                 let v = if q % 2 == 1 { vb } else { va };
-                let lo = if q >= 2 { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+                let lo = if q >= 2 {
+                    S::and(S::shr16(v, 4), m4)
+                } else {
+                    S::and(v, m4)
+                };
                 let hb = match q {
                     0 => S::shl16(hv, 4),
                     1 => S::shl16(hv, 2),
@@ -967,7 +993,11 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
         for t in 0..4 {
             let g = 16 * Q + 4 * j + t;
             let v = S::load(main.add(64 * (g % 32) + 32 * half));
-            let lo = if Q >= 2 { S::and(S::shr16(v, 4), m4) } else { S::and(v, m4) };
+            let lo = if Q >= 2 {
+                S::and(S::shr16(v, 4), m4)
+            } else {
+                S::and(v, m4)
+            };
             let hv = S::load(main.add(2048 + 64 * (4 * j + t) + 32 * half));
             let hb = match Q {
                 0 => S::shl16(hv, 4),
@@ -1607,21 +1637,24 @@ impl<F: Format> Packed<F> {
         let groups = n.div_ceil(G);
         let mut data = WeightBuf::zeroed(groups * gstride);
         let bytes = data.as_mut_slice();
-        bytes.par_chunks_mut(gstride).enumerate().for_each(|(gi, gb)| {
-            let (main, aux) = gb.split_at_mut(kb * F::MAIN);
-            for col in 0..G.min(n - gi * G) {
-                let row = gi * G + col;
-                for b in 0..kb {
-                    let cb = F::decode(&block(row * kb + b));
-                    F::write(
-                        &mut main[b * F::MAIN..(b + 1) * F::MAIN],
-                        &mut aux[b * F::AUX..(b + 1) * F::AUX],
-                        col,
-                        &cb,
-                    );
+        bytes
+            .par_chunks_mut(gstride)
+            .enumerate()
+            .for_each(|(gi, gb)| {
+                let (main, aux) = gb.split_at_mut(kb * F::MAIN);
+                for col in 0..G.min(n - gi * G) {
+                    let row = gi * G + col;
+                    for b in 0..kb {
+                        let cb = F::decode(&block(row * kb + b));
+                        F::write(
+                            &mut main[b * F::MAIN..(b + 1) * F::MAIN],
+                            &mut aux[b * F::AUX..(b + 1) * F::AUX],
+                            col,
+                            &cb,
+                        );
+                    }
                 }
-            }
-        });
+            });
         Packed {
             data,
             n,
@@ -1711,7 +1744,8 @@ impl<F: Format> Packed<F> {
         unsafe {
             let g = base.add(gi * self.gstride);
             let aux = g.add(kb * F::MAIN);
-            let rows: [*const F::Act; R] = std::array::from_fn(|r| acts.as_ptr().add((t0 + r) * kb));
+            let rows: [*const F::Act; R] =
+                std::array::from_fn(|r| acts.as_ptr().add((t0 + r) * kb));
             let mut acc = [S::fzero(); R];
             for b in 0..kb {
                 if pf > 0 {
@@ -1837,7 +1871,9 @@ impl Isa {
     }
 
     pub fn from_name(s: &str) -> Option<Isa> {
-        Isa::ALL.into_iter().find(|i| i.name() == s.trim().to_ascii_lowercase())
+        Isa::ALL
+            .into_iter()
+            .find(|i| i.name() == s.trim().to_ascii_lowercase())
     }
 
     /// Whether this CPU runs the path.
@@ -1937,7 +1973,10 @@ impl OutPtr {
     #[inline(always)]
     pub(crate) unsafe fn at(self, r: usize, c: usize, len: usize) -> *mut f32 {
         let idx = r * self.n + c;
-        assert!(c + len <= self.n && idx + len <= self.len, "matmul output index out of range");
+        assert!(
+            c + len <= self.n && idx + len <= self.len,
+            "matmul output index out of range"
+        );
         // SAFETY: in bounds (checked).
         unsafe { self.ptr.add(idx) }
     }

@@ -23,7 +23,7 @@ use candle_core::quantized::{k_quants, GgmlDType, GgmlType};
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape};
 use rayon::prelude::*;
 
-use super::qkernels::{self, ActBlock, ActK, Act32, Format, Isa, OutPtr, Packed};
+use super::qkernels::{self, Act32, ActBlock, ActK, Format, Isa, OutPtr, Packed};
 use super::EngineError;
 
 /// An input quantized once for several matmuls that read it (Q/K/V, gate/up):
@@ -35,9 +35,21 @@ use super::EngineError;
 #[allow(dead_code)]
 #[derive(Debug)]
 pub(crate) enum QuantizedInput {
-    K { m: usize, k: usize, acts: Vec<ActK> },
-    B32 { m: usize, k: usize, acts: Vec<Act32> },
-    Raw { m: usize, k: usize, x: Vec<f32> },
+    K {
+        m: usize,
+        k: usize,
+        acts: Vec<ActK>,
+    },
+    B32 {
+        m: usize,
+        k: usize,
+        acts: Vec<Act32>,
+    },
+    Raw {
+        m: usize,
+        k: usize,
+        x: Vec<f32>,
+    },
 }
 
 #[allow(dead_code)]
@@ -453,7 +465,10 @@ pub fn kernel_report(
     copies: usize,
 ) -> Result<KernelTiming, EngineError> {
     if !isa.available() {
-        return Err(EngineError::Load(format!("{} kernels unavailable on this CPU", isa.name())));
+        return Err(EngineError::Load(format!(
+            "{} kernels unavailable on this CPU",
+            isa.name()
+        )));
     }
     let w = candle_core::Tensor::randn(0f32, 1.0, (n, k), &candle_core::Device::Cpu)
         .and_then(|w| candle_core::quantized::QTensor::quantize(&w, dtype))
@@ -622,7 +637,11 @@ mod tests {
 
     fn packed_kernel<F: Format>(dtype: GgmlDType, n: usize, k: usize) -> PackedKernel<F> {
         let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-        let bytes = QTensor::quantize(&w, dtype).unwrap().data().unwrap().to_vec();
+        let bytes = QTensor::quantize(&w, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .to_vec();
         PackedKernel {
             w: Packed::<F>::from_bytes(&bytes, n, k),
         }
@@ -646,7 +665,12 @@ mod tests {
             }
             let mut alone = vec![0f32; 33 * n];
             for r in 0..33 {
-                kern.matmul_isa(Isa::Scalar, 1, &x[r * k..(r + 1) * k], &mut alone[r * n..][..n]);
+                kern.matmul_isa(
+                    Isa::Scalar,
+                    1,
+                    &x[r * k..(r + 1) * k],
+                    &mut alone[r * n..][..n],
+                );
             }
             for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
                 for m in [1usize, 2, 3, 5, 8, 13, 17, 33] {
@@ -795,7 +819,10 @@ mod bench {
                 sum = sum.wrapping_add(buf.iter().fold(0u64, |a, &v| a.wrapping_add(v)));
                 best = best.min((thread_cpu_ns() - t) as f64);
             }
-            println!("read bandwidth now: {:.1} GB/s ({sum})", (buf.len() * 8) as f64 / best);
+            println!(
+                "read bandwidth now: {:.1} GB/s ({sum})",
+                (buf.len() * 8) as f64 / best
+            );
         }
         for dtype in [
             GgmlDType::Q4K,

@@ -74,7 +74,9 @@ pub fn read_bandwidth(threads: usize, bytes: usize) -> f64 {
                 .take(threads)
                 .map(|c| s.spawn(move || xor_reduce(c)))
                 .collect();
-            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0, |a, b| a ^ b)
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0, |a, b| a ^ b)
         });
         std::hint::black_box(sink);
         let read = (per * threads * 8) as f64;
@@ -93,7 +95,8 @@ fn xor_reduce(c: &[u64]) -> u64 {
             acc[i] ^= w[i];
         }
     }
-    acc.iter().fold(it.remainder().iter().fold(0, |a, b| a ^ b), |a, b| a ^ b)
+    acc.iter()
+        .fold(it.remainder().iter().fold(0, |a, b| a ^ b), |a, b| a ^ b)
 }
 
 #[cfg(target_arch = "x86_64")]

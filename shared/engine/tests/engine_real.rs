@@ -7,11 +7,11 @@
 //! - Qwen2.5-Coder-0.5B (qwen2, Q5_0 / Q8_0 / Q4_K / Q6_K): QKV biases and every CPU kernel the
 //!   default model pair uses.
 
+use sequoia_core::sampling::argmax;
+use sequoia_core::tree::Tree;
+use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_engine::{LoadOptions, Model};
 use sequoia_models as models;
-use sequoia_core::sampling::argmax;
-use sequoia_engine::tokenizer::TextTokenizer;
-use sequoia_core::tree::Tree;
 
 fn load(name: &str) -> (Model, TextTokenizer) {
     let path = models::ensure_model(name)

@@ -2,9 +2,9 @@
 //! every tree node's logits must equal those of decoding its root-to-node path one token at a
 //! time, and a compacted cache must behave exactly like a fresh sequential run.
 
+use sequoia_core::tree::Tree;
 use sequoia_engine::testing::{write_tiny_model, TinyArch, TinySpec};
 use sequoia_engine::{EngineError, LoadOptions, Model};
-use sequoia_core::tree::Tree;
 
 const TOL: f32 = 1e-4;
 

@@ -10,8 +10,8 @@
 mod tokenizer_real_models {
     use std::sync::OnceLock;
 
-    use sequoia_models::{ensure_model, QWEN_CODER_0_5B, QWEN_CODER_1_5B, SMOLLM2_135M};
     use sequoia_engine::tokenizer::{ChatMessage, IncrementalDecoder, TextTokenizer};
+    use sequoia_models::{ensure_model, QWEN_CODER_0_5B, QWEN_CODER_1_5B, SMOLLM2_135M};
 
     fn load(name: &str) -> TextTokenizer {
         let path = ensure_model(name).unwrap_or_else(|e| panic!("{e}"));
