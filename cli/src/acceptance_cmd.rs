@@ -74,24 +74,6 @@ struct Report {
     target: String,
 }
 
-fn spine(width: usize, depth: usize) -> Tree {
-    let mut parents = vec![-1i32];
-    let mut head = 0i32;
-    for _ in 0..depth {
-        let first = parents.len() as i32;
-        parents.extend(std::iter::repeat_n(head, width));
-        head = first;
-    }
-    Tree::from_parents_limited(
-        &parents,
-        sequoia_core::tree::TreeLimits {
-            max_nodes: usize::MAX,
-            max_levels: usize::MAX,
-        },
-    )
-    .expect("a spine is a valid tree")
-}
-
 fn first_turns(path: &PathBuf, max: usize) -> Result<Vec<String>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -140,7 +122,7 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
     let target = Model::load(&target_path, &opts)?;
     let draft = Model::load(&draft_path, &opts)?;
     let tok = TextTokenizer::load_for_model(&target_path)?;
-    let shape = spine(args.width, args.depth);
+    let shape = Tree::spine(args.width, args.depth);
     let levels = args.depth + 1;
     let mut counts = AcceptanceCounts::default();
     let mut rep = Report {

@@ -434,15 +434,6 @@ mod tests {
     }
 
     #[test]
-    fn spine_shape() {
-        let s = spine(3, 2);
-        assert_eq!(s.len(), 7);
-        assert_eq!(s.levels(), 3);
-        assert_eq!(s.children(0).len(), 3);
-        assert_eq!(s.children(1).len(), 3);
-    }
-
-    #[test]
     fn results_log_resumes_and_rejects_other_setups() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("results.jsonl");

@@ -33,6 +33,8 @@ pub struct ActivePlan {
     dp: SequoiaDp,
     nodes: usize,
     levels: usize,
+    /// `shape(usize::MAX).len()`, computed once (the DP may use fewer than `nodes`).
+    full_size: usize,
     pub acceptance: Vec<f64>,
     pub prediction: Option<Prediction>,
     pub mode: TreeMode,
@@ -49,11 +51,14 @@ impl ActivePlan {
     }
 
     fn fixed(p: &[f64], nodes: usize, levels: usize) -> Result<Self, PlanError> {
-        let nodes = nodes.max(1);
+        let (nodes, levels) = (nodes.max(1), levels.max(1));
+        let dp = SequoiaDp::solve(p, nodes, levels)?;
+        let full_size = dp.tree(nodes, levels).len();
         Ok(Self {
-            dp: SequoiaDp::solve(p, nodes, levels.max(1))?,
+            dp,
             nodes,
-            levels: levels.max(1),
+            levels,
+            full_size,
             acceptance: p.to_vec(),
             prediction: None,
             mode: TreeMode::Fixed,
@@ -64,6 +69,11 @@ impl ActivePlan {
     /// The planned tree, shrunk to at most `room` nodes.
     pub fn shape(&self, room: usize) -> Tree {
         self.dp.tree(room.clamp(1, self.nodes), self.levels)
+    }
+
+    /// Nodes of the full-size tree (what `shape` gives when the context has room).
+    pub fn full_size(&self) -> usize {
+        self.full_size
     }
 
     pub fn expected_tokens(&self) -> f64 {

@@ -63,18 +63,6 @@ pub(super) fn request(
     req
 }
 
-/// A spine: `width` children at every level along the first child, `depth` levels deep.
-pub(super) fn spine(width: usize, depth: usize) -> Tree {
-    let mut parents = vec![-1i32];
-    let mut head = 0i32;
-    for _ in 0..depth {
-        let first = parents.len() as i32;
-        parents.extend(std::iter::repeat_n(head, width));
-        head = first;
-    }
-    Tree::from_parents(&parents).expect("a spine is a valid tree")
-}
-
 /// Acceptance vector for temperature `t`: given, stored from an earlier start, or measured now.
 pub(super) async fn calibrate(
     args: &BenchArgs,
@@ -103,7 +91,7 @@ pub(super) async fn calibrate(
             trials_by_rank: vec![],
         });
     }
-    let shape = spine(CALIBRATION_WIDTH, CALIBRATION_DEPTH);
+    let shape = Tree::spine(CALIBRATION_WIDTH, CALIBRATION_DEPTH);
     let mut counts = RankCounts::default();
     for p in prompts {
         let req = request(

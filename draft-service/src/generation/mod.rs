@@ -244,10 +244,7 @@ impl<'a> Generation<'a> {
         self.times.roundtrip += round_trip;
         self.times.verify_ms += verdict.verify_ms;
         // Only full-size trees are comparable with the plan's prediction.
-        if let (Some(pred), true) = (
-            &self.plan.prediction,
-            nodes == self.plan.shape(usize::MAX).len(),
-        ) {
+        if let (Some(pred), true) = (&self.plan.prediction, nodes == self.plan.full_size()) {
             let draft_ms = self.times.last_draft.as_secs_f64() * 1e3;
             self.state
                 .planner

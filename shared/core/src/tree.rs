@@ -176,6 +176,27 @@ impl Tree {
         }
     }
 
+    /// A spine: `width` children at every level, the first child of each level carrying the
+    /// next, `depth` levels below the root. Every rank is tried at every depth the accepted
+    /// path reaches, which is what measuring the acceptance vector by depth needs.
+    pub fn spine(width: usize, depth: usize) -> Self {
+        let mut parents = vec![-1i32];
+        let mut head = 0i32;
+        for _ in 0..depth {
+            let first = parents.len() as i32;
+            parents.extend(std::iter::repeat_n(head, width));
+            head = first;
+        }
+        Self::from_parents_limited(
+            &parents,
+            TreeLimits {
+                max_nodes: usize::MAX,
+                max_levels: usize::MAX,
+            },
+        )
+        .expect("a spine is a valid tree")
+    }
+
     /// A chain root → 1 → 2 → … with `n` nodes.
     pub fn chain(n: usize) -> Self {
         assert!(n >= 1, "a chain needs at least the root");
@@ -317,6 +338,19 @@ impl Tree {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn spine_shape() {
+        let s = Tree::spine(3, 2);
+        assert_eq!(s.len(), 7);
+        assert_eq!(s.levels(), 3);
+        assert_eq!(s.children(0).len(), 3);
+        assert_eq!(s.children(1).len(), 3);
+        assert!(
+            s.children(2).is_empty(),
+            "only the first child carries the next level"
+        );
+    }
 
     #[test]
     fn derived_fields() {
