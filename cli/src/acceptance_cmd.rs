@@ -45,6 +45,9 @@ pub struct MeasureArgs {
     /// Draft-distribution entries kept (the q the draft samples from).
     #[arg(long, default_value_t = 64)]
     pub wire_top_k: usize,
+    /// Token ids the draft's LM head scores (draft-service's `draft_vocab`; 0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub draft_vocab: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     #[arg(long)]
@@ -72,6 +75,7 @@ struct Report {
     mean_tokens_per_step: f64,
     draft: String,
     target: String,
+    draft_vocab: usize,
 }
 
 fn first_turns(path: &PathBuf, max: usize) -> Result<Vec<String>> {
@@ -133,6 +137,7 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
         prompts: prompts.len(),
         draft: draft_path.display().to_string(),
         target: target_path.display().to_string(),
+        draft_vocab: args.draft_vocab,
         ..Report::default()
     };
     let bar = ProgressBar::new(prompts.len() as u64);
@@ -144,7 +149,8 @@ pub fn measure(args: &MeasureArgs) -> Result<()> {
         let ids = tok.encode(&text, false)?;
         let (prefix, mut root) = (&ids[..ids.len() - 1], ids[ids.len() - 1]);
         let seed = args.seed.wrapping_add(i as u64);
-        let mut ds = DraftSession::new(&draft, prefix, params, seed, args.wire_top_k)?;
+        let mut ds = DraftSession::new(&draft, prefix, params, seed, args.wire_top_k)?
+            .with_head_vocab(&draft, args.draft_vocab);
         let mut cache = target.new_cache();
         target.forward_chain_last(&mut cache, prefix)?;
         let mut rng = SessionRng::new(seed, VERIFY_STREAM);

@@ -168,6 +168,9 @@ pub struct ProfileArgs {
     pub bandwidth_mbps: f64,
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Tokens the draft's LM head scores (draft-service's `draft_vocab`; 0 = all).
+    #[arg(long, default_value_t = 0)]
+    pub draft_vocab: usize,
     /// Write the profile JSON here (printed to stdout too).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -199,7 +202,12 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
     let widths: Vec<u32> = sizes.iter().copied().filter(|&w| w <= 16).collect();
     eprintln!("measuring draft t_d(w) for w in {widths:?}");
     let draft = Model::load(&draft_path, &opts)?;
-    let td = measure_draft(&draft, &widths, args.context, args.repeats)?;
+    let vocab = draft.info().vocab_size;
+    let head = match args.draft_vocab {
+        0 => vocab,
+        k => k.min(vocab),
+    };
+    let td = measure_draft(&draft, &widths, args.context, args.repeats, head)?;
     let profile = Profile {
         verify: CostCurve::new(sizes, tv)?,
         draft: CostCurve::new(widths, td)?,

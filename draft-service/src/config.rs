@@ -30,11 +30,15 @@ pub struct DraftConfig {
     pub default_max_tokens: u32,
     /// Tokens of the draft's distribution sent per expanded node (the sparse q on the wire).
     pub wire_top_k: usize,
+    /// Token ids the draft's LM head scores: the first K (the tokenizer's most frequent merges);
+    /// 0 = the whole vocabulary. Exact at any value (docs/ALGORITHMS.md §8).
+    pub draft_vocab: usize,
     /// Seconds to wait for one verify step before declaring the node unavailable.
     pub step_timeout_secs: f64,
     /// Seconds to wait when connecting to a verify node.
     pub connect_timeout_secs: f64,
     pub tree: TreeConfig,
+    pub lookup: LookupConfig,
     /// Emit JSON log lines.
     pub log_json: bool,
     /// TLS certificate chain and private key (PEM) for the Generation service; empty = plaintext.
@@ -84,6 +88,39 @@ pub struct TreeConfig {
     pub profile_context: usize,
 }
 
+/// Prompt lookup: a continuation copied from earlier in the context (prompt and generated
+/// text) grafted onto each tree as a free branch (docs/ALGORITHMS.md §9). Greedy requests only.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LookupConfig {
+    /// Most tokens a lookup branch proposes; 0 = off.
+    pub max_tokens: usize,
+    /// Shortest suffix of the context that must have occurred before.
+    pub min_ngram: usize,
+    /// Longest suffix tried first.
+    pub max_ngram: usize,
+}
+
+impl Default for LookupConfig {
+    fn default() -> Self {
+        Self {
+            max_tokens: 8,
+            min_ngram: 2,
+            max_ngram: 4,
+        }
+    }
+}
+
+impl LookupConfig {
+    pub fn params(&self) -> sequoia_core::lookup::LookupParams {
+        sequoia_core::lookup::LookupParams {
+            min_ngram: self.min_ngram,
+            max_ngram: self.max_ngram,
+            max_tokens: self.max_tokens,
+        }
+    }
+}
+
 impl Default for TreeConfig {
     fn default() -> Self {
         Self {
@@ -110,9 +147,11 @@ impl Default for DraftConfig {
             max_sessions: 16,
             default_max_tokens: 256,
             wire_top_k: 64,
+            draft_vocab: 32_768,
             step_timeout_secs: 60.0,
             connect_timeout_secs: 5.0,
             tree: TreeConfig::default(),
+            lookup: LookupConfig::default(),
             log_json: false,
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),
@@ -171,10 +210,17 @@ mod tests {
             .as_object()
             .unwrap()
             .keys()
+            .chain(
+                serde_json::to_value(LookupConfig::default())
+                    .unwrap()
+                    .as_object()
+                    .unwrap()
+                    .keys(),
+            )
         {
             assert!(
                 text.contains(&format!("\n{key} =")),
-                "tree.{key} is not documented"
+                "{key} is not documented"
             );
         }
     }

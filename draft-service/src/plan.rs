@@ -150,8 +150,9 @@ impl Planner {
         self.auto
     }
 
-    /// Measure t_d(w) on this node once (blocking; call off the async threads).
-    pub fn measure_draft(&self, model: &Model) -> Result<CostCurve, String> {
+    /// Measure t_d(w) on this node once (blocking; call off the async threads):
+    /// the draft's t_d(w) with its LM head over `draft_vocab` tokens (0 = all), measured once.
+    pub fn measure_draft(&self, model: &Model, draft_vocab: usize) -> Result<CostCurve, String> {
         if let Some(c) = self.draft_curve.lock().unwrap().clone() {
             return Ok(c);
         }
@@ -159,7 +160,12 @@ impl Planner {
             .into_iter()
             .filter(|&w| w as usize <= self.cfg.nodes.max(1))
             .collect();
-        let ms = profiling::measure_draft(model, &sizes, self.cfg.profile_context, 3)
+        let vocab = model.info().vocab_size;
+        let head = match draft_vocab {
+            0 => vocab,
+            k => k.min(vocab),
+        };
+        let ms = profiling::measure_draft(model, &sizes, self.cfg.profile_context, 3, head)
             .map_err(|e| e.to_string())?;
         let curve = CostCurve::new(sizes, ms).map_err(|e| e.to_string())?;
         *self.draft_curve.lock().unwrap() = Some(curve.clone());

@@ -54,6 +54,21 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
             config.discovery_interval_secs
         );
     }
+    let lk = &config.lookup;
+    if lk.max_tokens > 0 && (lk.min_ngram == 0 || lk.max_ngram < lk.min_ngram) {
+        anyhow::bail!(
+            "lookup: need 1 ≤ min_ngram ≤ max_ngram, got min_ngram = {}, max_ngram = {}",
+            lk.min_ngram,
+            lk.max_ngram
+        );
+    }
+    let max_branch = sequoia_core::limits::MAX_TREE_LEVELS - 1;
+    if lk.max_tokens > max_branch {
+        anyhow::bail!(
+            "lookup.max_tokens = {} is more than a tree's {max_branch} levels below the root",
+            lk.max_tokens
+        );
+    }
     let planner = Planner::new(&config.tree, config.wire_top_k).map_err(anyhow::Error::msg)?;
     let opts = LoadOptions {
         threads: (config.threads > 0).then_some(config.threads),

@@ -73,9 +73,15 @@ async fn generate(
         }
         g.maybe_replan()?;
         let shape = g.next_shape(room);
-        let (back, drafted) = g.draft(draft, &shape).await?;
+        let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
-        let verdict = g.verify(&drafted, shape.len()).await?;
+        // A tree grown with a lookup branch is not the size the plan predicted a time for.
+        let planned = if g.add_lookup(&mut drafted, room) == 0 {
+            shape.len()
+        } else {
+            0
+        };
+        let verdict = g.verify(&drafted, planned).await?;
         let emitted = g.commit(&mut draft, &drafted, &verdict)?;
         match g.deliver(&emitted, &mut out, tx).await? {
             Delivered::More => {}
@@ -112,6 +118,9 @@ struct Generation<'a> {
     /// Counts already folded into the planner's running estimate.
     folded: RankCounts,
     times: StepTimes,
+    /// Prompt-lookup nodes sent, and accepted.
+    lookup_proposed: u64,
+    lookup_accepted: u64,
 }
 
 impl<'a> Generation<'a> {
@@ -128,10 +137,12 @@ impl<'a> Generation<'a> {
         );
         let model = state.model.clone();
         let (params, seed, wire_k) = (prep.params, prep.seed, state.config.wire_top_k);
+        let head_vocab = state.config.draft_vocab;
         let t_prefill = Instant::now();
         let draft_prefix = prefix.clone();
         let draft_prefill = tokio::task::spawn_blocking(move || {
             DraftSession::new(&model, &draft_prefix, params, seed, wire_k)
+                .map(|d| d.with_head_vocab(&model, head_vocab))
         });
         let sampling = wire::sampling_config(&prep.params);
         let link = VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await?;
@@ -158,6 +169,8 @@ impl<'a> Generation<'a> {
             counts: AcceptanceCounts::default(),
             folded: RankCounts::default(),
             times,
+            lookup_proposed: 0,
+            lookup_accepted: 0,
         };
         Ok((g, draft))
     }
@@ -228,7 +241,27 @@ impl<'a> Generation<'a> {
         Ok((draft, drafted))
     }
 
+    /// Graft a prompt-lookup branch onto the tree (greedy requests, while context and
+    /// `max_tokens` leave room for it).
+    /// Returns the number of nodes added.
+    fn add_lookup(&mut self, drafted: &mut DraftedTree, room: usize) -> usize {
+        let params = self.state.config.lookup.params();
+        if !params.enabled() || !self.prep.params.is_greedy() {
+            return 0;
+        }
+        let left = self.prep.max_tokens - self.generated.len();
+        let budget = room.saturating_sub(drafted.tree.len()).min(left);
+        let mut context = self.prep.prompt_tokens.clone();
+        context.extend_from_slice(&self.generated);
+        let chain = sequoia_core::lookup::continuation(&context, &params);
+        let chain = &chain[..chain.len().min(budget)];
+        let added = drafted.graft_lookup(chain);
+        self.lookup_proposed += added as u64;
+        added
+    }
+
     /// Verify the drafted tree (on whichever node holds the session) and check the verdict.
+    /// `nodes`: the planned tree size this step's time is observed for (0 = do not observe).
     async fn verify(&mut self, drafted: &DraftedTree, nodes: usize) -> Result<Verdict, Status> {
         let committed = || {
             let mut c = self.prep.prompt_tokens.clone();
@@ -272,9 +305,12 @@ impl<'a> Generation<'a> {
         draft
             .commit(drafted, &accepted)
             .map_err(|e| Status::internal(format!("verify node {}: {e}", self.link.addr())))?;
+        // The draft's statistics count the tree it grew; lookup nodes are counted apart.
         let ranks = verdict.accepted_ranks.iter().map(|&r| r as usize);
+        let (grown, path) = drafted.drafted_path(&accepted);
         self.counts
-            .record_step(&drafted.tree, &accepted, ranks, accepted.len() + 1);
+            .record_step(grown, &path, ranks, accepted.len() + 1);
+        self.lookup_accepted += accepted.iter().filter(|&&v| drafted.is_lookup(v)).count() as u64;
         debug!(
             step = self.steps(),
             accepted = accepted.len(),
@@ -361,7 +397,7 @@ async fn node_costs(
         return Ok(Some(c.clone()));
     }
     let st = state.clone();
-    tokio::task::spawn_blocking(move || st.planner.measure_draft(&st.model))
+    tokio::task::spawn_blocking(move || st.planner.measure_draft(&st.model, st.config.draft_vocab))
         .await
         .map_err(|e| Status::internal(format!("draft profiling task failed: {e}")))?
         .map_err(|e| Status::internal(format!("draft profiling failed: {e}")))?;

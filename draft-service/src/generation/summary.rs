@@ -58,6 +58,8 @@ impl Generation<'_> {
             seed: self.prep.seed,
             verify_node: self.link.addr().to_string(),
             failovers: self.link.failovers(),
+            lookup_proposed: self.lookup_proposed,
+            lookup_accepted: self.lookup_accepted,
             plan: Some(self.plan_message()),
         }
     }

@@ -9,6 +9,7 @@
 //! - [`verify`]: the exact tree verification rule (stochastic and greedy);
 //! - [`stats`]: acceptance statistics (accepted per depth and per rank, tokens per step), the one
 //!   implementation every caller (generation, acceptance measurement, benchmarks, planner) uses;
+//! - [`lookup`]: prompt lookup, continuations copied from the context as free tree branches;
 //! - [`limits`]: every size limit the two services agree on;
 //! - [`types`]: small shared vocabularies (finish reasons, tree modes) with their wire names.
 //!
@@ -17,6 +18,7 @@
 //! in `docs/ALGORITHMS.md`. Tests live beside the code (`#[cfg(test)]` modules).
 
 pub mod limits;
+pub mod lookup;
 pub mod planner;
 pub mod sampling;
 pub mod stats;

@@ -67,6 +67,17 @@ pub struct Tree {
     words_per_row: usize,
 }
 
+/// A tree with a chain merged in ([`Tree::graft_chain`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grafted {
+    pub tree: Tree,
+    pub tokens: Vec<u32>,
+    /// origin[v] = the node's index in the tree before grafting; None for added nodes.
+    pub origin: Vec<Option<usize>>,
+    /// Indices (in the new tree) of the added nodes, root side first.
+    pub added: Vec<usize>,
+}
+
 #[derive(Serialize, Deserialize)]
 struct TreeJson {
     parents: Vec<i32>,
@@ -238,6 +249,73 @@ impl Tree {
         .expect("k×d is a valid tree")
     }
 
+    /// Merge the token chain `chain` into this tree below the root (`tokens` are the nodes'
+    /// tokens): follow the children whose tokens match the chain as far as they do, then hang
+    /// the rest below the last matched node as a new chain, each new node its parent's last
+    /// child (so existing nodes keep their ranks). The result is re-indexed into BFS order.
+    /// A prompt-lookup branch joins a drafted tree this way (docs/ALGORITHMS.md §9).
+    pub fn graft_chain(&self, tokens: &[u32], chain: &[u32]) -> Grafted {
+        assert_eq!(tokens.len(), self.len(), "one token per node");
+        let n = self.len();
+        let mut at = 0usize;
+        let mut matched = 0usize;
+        while let Some(&c) = chain
+            .get(matched)
+            .and_then(|&t| self.children[at].iter().find(|&&c| tokens[c as usize] == t))
+        {
+            at = c as usize;
+            matched += 1;
+        }
+        // Old nodes keep their ids; new ones are n, n + 1, ... in chain order.
+        let added = chain.len() - matched;
+        let mut kids: Vec<Vec<usize>> = self
+            .children
+            .iter()
+            .map(|c| c.iter().map(|&x| x as usize).collect())
+            .collect();
+        kids.resize(n + added, Vec::new());
+        let mut parent = at;
+        for j in 0..added {
+            kids[parent].push(n + j);
+            parent = n + j;
+        }
+        let token_of = |v: usize| {
+            if v < n {
+                tokens[v]
+            } else {
+                chain[matched + v - n]
+            }
+        };
+        // BFS over the merged children lists yields levels grouped by parent in parent order.
+        let mut order = vec![0usize];
+        let mut new_index = vec![0usize; n + added];
+        let mut parents = vec![-1i32];
+        let mut head = 0;
+        while head < order.len() {
+            let v = order[head];
+            for &c in &kids[v] {
+                new_index[c] = order.len();
+                parents.push(new_index[v] as i32);
+                order.push(c);
+            }
+            head += 1;
+        }
+        let tree = Self::from_parents_limited(
+            &parents,
+            TreeLimits {
+                max_nodes: usize::MAX,
+                max_levels: usize::MAX,
+            },
+        )
+        .expect("a BFS walk gives a valid tree");
+        Grafted {
+            tokens: order.iter().map(|&v| token_of(v)).collect(),
+            origin: order.iter().map(|&v| (v < n).then_some(v)).collect(),
+            added: (n..n + added).map(|v| new_index[v]).collect(),
+            tree,
+        }
+    }
+
     pub fn len(&self) -> usize {
         self.parents.len()
     }
@@ -338,6 +416,103 @@ impl Tree {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Root-to-node token paths of a tree, as sequences.
+    fn paths(tree: &Tree, tokens: &[u32]) -> Vec<Vec<u32>> {
+        (0..tree.len())
+            .map(|v| tree.path_to(v).iter().map(|&u| tokens[u]).collect())
+            .collect()
+    }
+
+    #[test]
+    fn graft_merges_a_chain_into_bfs_order() {
+        // root(10) → a(11) → c(13); root → b(12). Chain 11 14 15 follows a, then branches.
+        let tree = Tree::from_parents(&[-1, 0, 0, 1]).unwrap();
+        let tokens = [10, 11, 12, 13];
+        let g = tree.graft_chain(&tokens, &[11, 14, 15]);
+        assert_eq!(g.tree.len(), 6);
+        assert_eq!(g.added.len(), 2);
+        // Every old path survives with the same tokens; the chain is a path from the root.
+        let new_paths = paths(&g.tree, &g.tokens);
+        for p in paths(&tree, &tokens) {
+            assert!(new_paths.contains(&p), "{p:?} lost");
+        }
+        assert!(new_paths.contains(&vec![10, 11, 14, 15]));
+        // Origins map old nodes back, and old nodes keep their rank among siblings.
+        for (v, o) in g.origin.iter().enumerate() {
+            match o {
+                Some(o) => assert_eq!(g.tokens[v], tokens[*o]),
+                None => assert!(g.added.contains(&v)),
+            }
+        }
+        let a = g.origin.iter().position(|&o| o == Some(1)).unwrap();
+        let kids = g.tree.children(a);
+        assert_eq!(
+            g.origin[kids[0] as usize],
+            Some(3),
+            "drafted child stays first"
+        );
+        assert_eq!(
+            g.origin[kids[1] as usize], None,
+            "the grafted one comes last"
+        );
+    }
+
+    #[test]
+    fn graft_of_a_chain_already_present_adds_nothing() {
+        let tree = Tree::from_parents(&[-1, 0, 1]).unwrap();
+        let g = tree.graft_chain(&[5, 6, 7], &[6, 7]);
+        assert_eq!(g.tree, tree);
+        assert!(g.added.is_empty());
+        assert_eq!(g.origin, vec![Some(0), Some(1), Some(2)]);
+        // And onto a root alone, the chain is the tree.
+        let g = Tree::chain(1).graft_chain(&[5], &[1, 2, 3]);
+        assert_eq!(g.tree, Tree::chain(4));
+        assert_eq!(g.tokens, vec![5, 1, 2, 3]);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn graft_keeps_every_path_and_adds_the_chain(
+            raw in proptest::collection::vec(0u8..6, 0..24),
+            chain in proptest::collection::vec(0u32..4, 0..6),
+        ) {
+            // Random BFS tree: node i+1 hangs below a node of the previous or current level;
+            // sibling tokens distinct (as drafted trees have them).
+            let mut parents = vec![-1i32];
+            let mut tokens = vec![9u32];
+            for r in &raw {
+                // Non-decreasing parents give BFS order with children grouped by parent.
+                let last = parents.last().map_or(0, |&l| l.max(0) as usize);
+                let p = (*r as usize % parents.len()).max(last);
+                let used: Vec<u32> = (0..parents.len())
+                    .filter(|&j| parents[j] == p as i32)
+                    .map(|j| tokens[j])
+                    .collect();
+                let Some(t) = (0..4u32).find(|t| !used.contains(t)) else { continue };
+                parents.push(p as i32);
+                tokens.push(t);
+            }
+            let tree = Tree::from_parents_limited(&parents, TreeLimits { max_nodes: 64, max_levels: 64 }).unwrap();
+            let g = tree.graft_chain(&tokens, &chain);
+            let new_paths = paths(&g.tree, &g.tokens);
+            for p in paths(&tree, &tokens) {
+                proptest::prop_assert!(new_paths.contains(&p));
+            }
+            let mut want = vec![9u32];
+            want.extend_from_slice(&chain);
+            proptest::prop_assert!(new_paths.contains(&want));
+            proptest::prop_assert_eq!(g.tree.len(), tree.len() + g.added.len());
+            // Siblings stay distinct.
+            for v in 0..g.tree.len() {
+                let kids: Vec<u32> = g.tree.children(v).iter().map(|&c| g.tokens[c as usize]).collect();
+                let mut dedup = kids.clone();
+                dedup.sort();
+                dedup.dedup();
+                proptest::prop_assert_eq!(dedup.len(), kids.len());
+            }
+        }
+    }
 
     #[test]
     fn spine_shape() {

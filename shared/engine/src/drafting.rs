@@ -16,9 +16,51 @@ pub struct DraftedTree {
     pub tree: Tree,
     pub tokens: Vec<u32>,
     pub dists: Vec<SparseDist>,
-    /// Nodes 0..forwarded went through the draft model (and sit in its cache); deeper leaves
-    /// did not need to.
+    /// Nodes 0..forwarded of the tree as drafted went through the draft model (and sit in its
+    /// cache); deeper leaves did not need to.
     forwarded: usize,
+    /// origin[v] = node v's index in the tree as drafted; None for a prompt-lookup node.
+    origin: Vec<Option<usize>>,
+    /// The tree as the draft model grew it (before lookup branches were grafted on).
+    drafted: Tree,
+}
+
+impl DraftedTree {
+    /// Graft a prompt-lookup continuation below the root (docs/ALGORITHMS.md §9); returns the
+    /// number of nodes added. Only at T = 0 (no q's): lookup nodes carry no draft distribution,
+    /// and the T > 0 rule for them is not implemented yet, so there this adds nothing.
+    pub fn graft_lookup(&mut self, chain: &[u32]) -> usize {
+        if !self.dists.is_empty() || chain.is_empty() {
+            return 0;
+        }
+        let g = self.tree.graft_chain(&self.tokens, chain);
+        let added = g.added.len();
+        self.origin = g
+            .origin
+            .iter()
+            .map(|o| o.and_then(|o| self.origin[o]))
+            .collect();
+        self.tree = g.tree;
+        self.tokens = g.tokens;
+        added
+    }
+
+    /// Nodes that came from prompt lookup rather than the draft model.
+    pub fn is_lookup(&self, v: usize) -> bool {
+        self.origin.get(v).is_some_and(|o| o.is_none())
+    }
+
+    /// The tree as the draft model grew it, and the part of an accepted path (indices of the
+    /// sent tree, checked) that runs through it, in its indices: what the draft's acceptance
+    /// statistics count. A path that continues into a lookup branch rejected every drafted
+    /// child of the node it left from.
+    pub fn drafted_path(&self, accepted: &[usize]) -> (&Tree, Vec<usize>) {
+        let path = accepted
+            .iter()
+            .map_while(|&v| self.origin.get(v).copied().flatten())
+            .collect();
+        (&self.drafted, path)
+    }
 }
 
 /// Why a verdict cannot be applied to the tree it answers.
@@ -39,6 +81,9 @@ pub struct DraftSession {
     rng: SessionRng,
     params: SamplingParams,
     wire_top_k: usize,
+    /// The LM head scores token ids `0..head_vocab` only (docs/ALGORITHMS.md §8); q is zero
+    /// outside them, which verification handles exactly through the residual.
+    head_vocab: usize,
 }
 
 impl DraftSession {
@@ -52,7 +97,7 @@ impl DraftSession {
     ) -> Result<Self, EngineError> {
         let mut cache = model.new_cache();
         if !prefix.is_empty() {
-            model.forward_chain_last(&mut cache, prefix)?;
+            model.forward_chain(&mut cache, prefix)?;
         }
         Ok(Self {
             cache,
@@ -60,7 +105,16 @@ impl DraftSession {
             rng: SessionRng::new(seed, DRAFT_STREAM),
             params,
             wire_top_k,
+            head_vocab: model.info().vocab_size,
         })
+    }
+
+    /// Score only token ids `0..k` when drafting (clamped to the vocabulary; 0 = all). For
+    /// BPE vocabularies whose ids follow merge order, that keeps the most frequent tokens.
+    pub fn with_head_vocab(mut self, model: &Model, k: usize) -> Self {
+        let vocab = model.info().vocab_size;
+        self.head_vocab = if k == 0 { vocab } else { k.min(vocab) };
+        self
     }
 
     /// Committed context length (tokens before the next root), processed or pending.
@@ -85,7 +139,7 @@ impl DraftSession {
         let mut forwarded = 0;
         if shape.len() > 1 && !self.pending.is_empty() {
             let pending = std::mem::take(&mut self.pending);
-            if let Err(e) = model.forward_chain_last(&mut self.cache, &pending) {
+            if let Err(e) = model.forward_chain(&mut self.cache, &pending) {
                 self.pending = pending;
                 return Err(e);
             }
@@ -105,6 +159,7 @@ impl DraftSession {
                 &partial,
                 level_start,
                 &expand,
+                self.head_vocab,
             )?;
             forwarded = level_end;
             for (row, &v) in expand.iter().enumerate() {
@@ -129,6 +184,7 @@ impl DraftSession {
         // An expanded node whose q was empty got no children: drop its q so that dists lines up
         // with the nodes that have children.
         let tree = unchecked_tree(&parents);
+        let origin = (0..tree.len()).map(Some).collect();
         if !self.params.is_greedy() {
             let expanded_planned: Vec<usize> = (0..forwarded)
                 .filter(|&v| !shape.children(shape_of[v]).is_empty())
@@ -142,28 +198,35 @@ impl DraftSession {
             dists = kept;
         }
         Ok(DraftedTree {
+            drafted: tree.clone(),
             tree,
             tokens,
             dists,
             forwarded,
+            origin,
         })
     }
 
     /// Follow the verdict: keep the root and the accepted path in the cache; accepted tokens the
-    /// draft has not processed (a deepest-level leaf, or the root of a root-only tree) become
-    /// pending, run right before the next tree that needs the draft.
+    /// draft has not processed (a deepest-level leaf, the root of a root-only tree, a lookup
+    /// node) become pending, run right before the next tree that needs the draft.
     pub fn commit(&mut self, drafted: &DraftedTree, accepted: &[usize]) -> Result<(), DraftError> {
         check_path(&drafted.tree, accepted)?;
         let f = drafted.forwarded;
         let mut path = Vec::with_capacity(accepted.len() + 1);
         path.push(0);
         path.extend_from_slice(accepted);
-        let keep: Vec<usize> = path.iter().copied().filter(|&v| v < f).collect();
+        // Cache slots of the path's forwarded nodes. They form a prefix of the path: below a
+        // node the draft did not forward (or a lookup node) nothing was forwarded either.
+        let keep: Vec<usize> = path
+            .iter()
+            .map_while(|&v| drafted.origin[v].filter(|&o| o < f))
+            .collect();
         if f > 0 {
             self.cache.keep_newest(f, &keep)?;
         }
         self.pending
-            .extend(path.iter().filter(|&&v| v >= f).map(|&v| drafted.tokens[v]));
+            .extend(path[keep.len()..].iter().map(|&v| drafted.tokens[v]));
         Ok(())
     }
 }

@@ -376,7 +376,7 @@ impl Model {
             None
         };
         let hidden = self.forward_hidden(cache, tokens, &positions, mask)?;
-        self.logits(&hidden, rows)
+        self.logits(&hidden, rows, self.info.vocab_size)
     }
 
     /// Continue a tree whose first `start` nodes are already the newest `start` cache entries
@@ -384,6 +384,10 @@ impl Model {
     /// position `base + depth` (base = cache length before node 0) attending to the committed
     /// prefix and its tree ancestors. The drafter grows trees this way, one level per call.
     /// `rows` are absolute node indices (≥ `start`) whose logits are returned, in that order.
+    ///
+    /// `head_vocab` limits the LM head to token ids `0..head_vocab` (a vocabulary-pruned draft,
+    /// docs/ALGORITHMS.md §8): the returned rows are that wide, each logit bit-identical to the
+    /// full head's; `vocab_size` computes them all.
     pub fn forward_tree_extend(
         &self,
         cache: &mut KvCache,
@@ -391,7 +395,14 @@ impl Model {
         tree: &Tree,
         start: usize,
         rows: &[usize],
+        head_vocab: usize,
     ) -> Result<Logits, EngineError> {
+        if head_vocab == 0 || head_vocab > self.info.vocab_size {
+            return Err(EngineError::InvalidInput(format!(
+                "LM head over {head_vocab} tokens: expected 1..={}",
+                self.info.vocab_size
+            )));
+        }
         let n = tree.len();
         if tokens.len() != n || start >= n || start > cache.len() {
             return Err(EngineError::InvalidInput(format!(
@@ -425,7 +436,7 @@ impl Model {
         };
         let hidden = self.forward_hidden(cache, &tokens[start..], &positions, mask)?;
         let local: Vec<usize> = rows.iter().map(|&r| r - start).collect();
-        self.logits(&hidden, &local)
+        self.logits(&hidden, &local, head_vocab)
     }
 
     /// Plain sequential forward (prefill or decode) of a chain of tokens after the cache's
@@ -435,6 +446,26 @@ impl Model {
         cache: &mut KvCache,
         tokens: &[u32],
     ) -> Result<Vec<f32>, EngineError> {
+        let hidden = self.forward_chain_hidden(cache, tokens)?;
+        let n = hidden.dim(0)?;
+        Ok(self
+            .logits(&hidden, &[n - 1], self.info.vocab_size)?
+            .into_vec())
+    }
+
+    /// [`forward_chain_last`](Self::forward_chain_last) without the LM head: for tokens whose
+    /// logits nobody reads (a prefill, a draft catching up on committed tokens). The head is a
+    /// large share of a small model's cost.
+    pub fn forward_chain(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<(), EngineError> {
+        self.forward_chain_hidden(cache, tokens).map(drop)
+    }
+
+    /// The final-normed hidden state of the last chunk of a chained forward.
+    fn forward_chain_hidden(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+    ) -> Result<Tensor, EngineError> {
         if tokens.is_empty() {
             return Err(EngineError::InvalidInput("no tokens to forward".into()));
         }
@@ -457,9 +488,7 @@ impl Model {
                 }
             }
         }
-        let hidden = last.expect("at least one chunk");
-        let n = hidden.dim(0)?;
-        Ok(self.logits(&hidden, &[n - 1])?.into_vec())
+        Ok(last.expect("at least one chunk"))
     }
 
     fn forward_chain_chunk(
@@ -544,9 +573,8 @@ impl Model {
         Ok(self.norm.forward(&x)?)
     }
 
-    /// LM head over the chosen rows of the final hidden states.
-    fn logits(&self, hidden: &Tensor, rows: &[usize]) -> Result<Logits, EngineError> {
-        let vocab = self.info.vocab_size;
+    /// LM head over the chosen rows of the final hidden states, for token ids `0..vocab`.
+    fn logits(&self, hidden: &Tensor, rows: &[usize], vocab: usize) -> Result<Logits, EngineError> {
         if rows.is_empty() {
             return Ok(Logits::new(0, vocab, Vec::new()));
         }
@@ -562,14 +590,18 @@ impl Model {
             Linear::CpuQuant(k) => {
                 let x: Vec<f32> = selected.flatten_all()?.to_vec1()?;
                 let mut out = vec![0f32; rows.len() * vocab];
-                k.matmul(rows.len(), &x, &mut out);
+                k.matmul_prefix(rows.len(), &x, &mut out, vocab);
                 out
             }
-            head => head
-                .forward(&selected)?
-                .to_dtype(DType::F32)?
-                .flatten_all()?
-                .to_vec1()?,
+            head => {
+                let all = head.forward(&selected)?;
+                let all = if vocab < self.info.vocab_size {
+                    all.narrow(1, 0, vocab)?
+                } else {
+                    all
+                };
+                all.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?
+            }
         };
         Ok(Logits::new(rows.len(), vocab, data))
     }

@@ -12,13 +12,15 @@ use std::time::Instant;
 pub const DEFAULT_SIZES: [u32; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32];
 
 /// Median milliseconds of one forward over a tree of each size, after `context` committed
-/// tokens. `shape(n)` gives the tree measured for size n.
+/// tokens. `shape(n)` gives the tree measured for size n; the LM head scores token ids
+/// `0..head_vocab` (the model's whole vocabulary, or a pruned draft's).
 pub fn measure_forward(
     model: &Model,
     sizes: &[u32],
     context: usize,
     repeats: usize,
     shape: impl Fn(usize) -> Tree,
+    head_vocab: usize,
 ) -> Result<Vec<f64>, EngineError> {
     let vocab = model.info().vocab_size as u32;
     let mut cache = model.new_cache();
@@ -27,7 +29,7 @@ pub fn measure_forward(
         .map(|i| (i * 7919 + 13) % vocab)
         .collect();
     if !filler.is_empty() {
-        model.forward_chain_last(&mut cache, &filler)?;
+        model.forward_chain(&mut cache, &filler)?;
     }
     // One untimed forward warms caches and thread pools.
     model.forward_tree(&mut cache, &[1 % vocab], &Tree::chain(1))?;
@@ -38,10 +40,11 @@ pub fn measure_forward(
         let tokens: Vec<u32> = (0..tree.len() as u32)
             .map(|i| (i * 104_729 + 7) % vocab)
             .collect();
+        let rows: Vec<usize> = (0..tree.len()).collect();
         let mut times = Vec::with_capacity(repeats);
         for _ in 0..repeats.max(1) {
             let t0 = Instant::now();
-            model.forward_tree(&mut cache, &tokens, &tree)?;
+            model.forward_tree_extend(&mut cache, &tokens, &tree, 0, &rows, head_vocab)?;
             times.push(t0.elapsed().as_secs_f64() * 1e3);
             cache.truncate(context);
         }
@@ -61,17 +64,25 @@ pub fn measure_verify(
     let largest = sizes.iter().copied().max().unwrap_or(1) as usize;
     let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, largest.max(1), 16)
         .expect("the example vector is valid");
-    measure_forward(model, sizes, context, repeats, |n| dp.tree(n, 16))
+    let vocab = model.info().vocab_size;
+    measure_forward(model, sizes, context, repeats, |n| dp.tree(n, 16), vocab)
 }
 
-/// t_d(w): one level of w siblings (a star of w − 1 children under a root stands in for it).
+/// t_d(w): one level of w siblings (a star of w − 1 children under a root stands in for it),
+/// with the draft's LM head over `head_vocab` tokens.
 pub fn measure_draft(
     model: &Model,
     sizes: &[u32],
     context: usize,
     repeats: usize,
+    head_vocab: usize,
 ) -> Result<Vec<f64>, EngineError> {
-    measure_forward(model, sizes, context, repeats, |w| {
-        Tree::star(w.saturating_sub(1))
-    })
+    measure_forward(
+        model,
+        sizes,
+        context,
+        repeats,
+        |w| Tree::star(w.saturating_sub(1)),
+        head_vocab,
+    )
 }

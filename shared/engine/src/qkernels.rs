@@ -1608,10 +1608,6 @@ pub(crate) struct Packed<F: Format> {
 }
 
 impl<F: Format> Packed<F> {
-    pub(crate) fn groups(&self) -> usize {
-        self.n.div_ceil(G)
-    }
-
     fn bytes(&self) -> &[u8] {
         self.data.as_slice()
     }

@@ -101,6 +101,25 @@ pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
     fn in_features(&self) -> usize;
     /// `dst (m × out) = lhs (m × in) · Wᵀ`, both row-major.
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]);
+    /// The first `n_out` output columns only: `dst (m × n_out)`, each value bit-identical to the
+    /// same column of [`Self::matmul`] (columns are independent). A vocabulary-pruned LM head
+    /// is this product over the first `n_out` token ids.
+    fn matmul_prefix(&self, m: usize, lhs: &[f32], dst: &mut [f32], n_out: usize) {
+        let n = self.out_features();
+        assert!(
+            n_out <= n,
+            "prefix of {n_out} columns of a {n}-column matrix"
+        );
+        if n_out == n {
+            return self.matmul(m, lhs, dst);
+        }
+        assert_eq!(dst.len(), m * n_out, "matmul output size");
+        let mut full = vec![0f32; m * n];
+        self.matmul(m, lhs, &mut full);
+        for (d, f) in dst.chunks_exact_mut(n_out).zip(full.chunks_exact(n)) {
+            d.copy_from_slice(&f[..n_out]);
+        }
+    }
     /// Expand row `row` of `W` into `dst` (`in_features` values).
     fn dequantize_row(&self, row: usize, dst: &mut [f32]);
     /// Quantize `lhs` (`m × in`) once for [`Self::matmul_quantized`] on this or compatible
@@ -202,12 +221,22 @@ where
 {
     /// `dst = X · Wᵀ` for the quantized rows `acts`, on path `isa` (must be available).
     fn matmul_acts(&self, isa: Isa, acts: &[F::Act], m: usize, dst: &mut [f32]) {
-        let n = self.w.n;
+        self.matmul_acts_prefix(isa, acts, m, dst, self.w.n);
+    }
+
+    /// [`Self::matmul_acts`] over the first `n` columns (all of them, or whole groups).
+    fn matmul_acts_prefix(&self, isa: Isa, acts: &[F::Act], m: usize, dst: &mut [f32], n: usize) {
+        assert!(
+            n == self.w.n || (n < self.w.n && n.is_multiple_of(qkernels::G)),
+            "column prefix {n} of {}: all columns or whole groups of {}",
+            self.w.n,
+            qkernels::G
+        );
         assert_eq!(dst.len(), m * n, "matmul output size");
         if m == 0 {
             return;
         }
-        let groups = self.w.groups();
+        let groups = n.div_ceil(qkernels::G);
         let tasks = rayon::current_num_threads().max(1) * 4;
         let chunk = groups.div_ceil(tasks).max(1);
         let out = OutPtr::new(dst, n);
@@ -239,6 +268,21 @@ where
 
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {
         self.matmul_isa(qkernels::isa(), m, lhs, dst);
+    }
+
+    fn matmul_prefix(&self, m: usize, lhs: &[f32], dst: &mut [f32], n_out: usize) {
+        if n_out != self.w.n && !n_out.is_multiple_of(qkernels::G) {
+            // Not whole groups: compute the covering groups, keep the prefix.
+            let cover = n_out.next_multiple_of(qkernels::G).min(self.w.n);
+            let mut wide = vec![0f32; m * cover];
+            self.matmul_prefix(m, lhs, &mut wide, cover);
+            for (d, f) in dst.chunks_exact_mut(n_out).zip(wide.chunks_exact(cover)) {
+                d.copy_from_slice(&f[..n_out]);
+            }
+            return;
+        }
+        let acts = qkernels::quantize_rows::<F::Act>(lhs, m, self.w.k);
+        self.matmul_acts_prefix(qkernels::isa(), &acts, m, dst, n_out);
     }
 
     fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
@@ -630,6 +674,32 @@ mod tests {
                     let mut one = vec![0f32; n];
                     kern.matmul(1, &x[r * k..(r + 1) * k], &mut one);
                     assert_eq!(one, &all[r * n..(r + 1) * n], "{dtype:?} m={m} row {r}");
+                }
+            }
+        }
+    }
+
+    /// A column prefix (a pruned LM head) equals the full product's first columns bit for bit,
+    /// for whole groups, partial groups and the whole matrix.
+    #[test]
+    fn column_prefix_equals_full_columns() {
+        let (n, k) = (70, 512);
+        for dtype in TYPES {
+            let (kern, _) = setup(dtype, n, k);
+            for m in [1usize, 3, 9] {
+                let x = inputs(m, k);
+                let mut full = vec![0f32; m * n];
+                kern.matmul(m, &x, &mut full);
+                for n_out in [1usize, 16, 17, 32, 64, 69, 70] {
+                    let mut got = vec![0f32; m * n_out];
+                    kern.matmul_prefix(m, &x, &mut got, n_out);
+                    for r in 0..m {
+                        assert_eq!(
+                            &got[r * n_out..(r + 1) * n_out],
+                            &full[r * n..r * n + n_out],
+                            "{dtype:?} m={m} n_out={n_out} row {r}"
+                        );
+                    }
                 }
             }
         }

@@ -394,7 +394,7 @@ fn engine_tree_extend_level_by_level_matches_one_forward() {
             let end = range.end;
             let sub = Tree::from_parents(&tree.parents()[..end]).unwrap();
             let got = model
-                .forward_tree_extend(&mut b, &nodes[..end], &sub, start, &rows)
+                .forward_tree_extend(&mut b, &nodes[..end], &sub, start, &rows, vocab)
                 .unwrap();
             for (r, &i) in rows.iter().enumerate() {
                 let d = max_diff(got.row(r), full.row(i));
@@ -403,6 +403,62 @@ fn engine_tree_extend_level_by_level_matches_one_forward() {
             start = end;
         }
         assert_eq!(b.len(), a.len());
+    }
+}
+
+#[test]
+fn engine_pruned_head_equals_the_full_heads_first_columns() {
+    // A vocabulary-pruned draft scores ids 0..k only; each of those logits must be the full
+    // head's, bit for bit, or drafting with pruning would change which tokens are proposed.
+    for spec in specs() {
+        let (_dir, model) = load(&spec);
+        let vocab = model.info().vocab_size;
+        let tree = Tree::from_parents(&[-1, 0, 0, 1, 2]).unwrap();
+        let prefix = tokens(5, 91, vocab);
+        let nodes = tokens(tree.len(), 92, vocab);
+        let rows = [0usize, 1, 2, 3, 4];
+        for k in [1, 16, vocab / 2, vocab - 1, vocab] {
+            let mut a = model.new_cache();
+            model.forward_chain(&mut a, &prefix).unwrap();
+            let mut b = a.fork().unwrap();
+            let full = model
+                .forward_tree_extend(&mut a, &nodes, &tree, 0, &rows, vocab)
+                .unwrap();
+            let pruned = model
+                .forward_tree_extend(&mut b, &nodes, &tree, 0, &rows, k)
+                .unwrap();
+            assert_eq!(pruned.vocab(), k);
+            for r in 0..rows.len() {
+                assert_eq!(pruned.row(r), &full.row(r)[..k], "k = {k}, row {r}");
+            }
+        }
+        let mut c = model.new_cache();
+        for bad in [0, vocab + 1] {
+            assert!(model
+                .forward_tree_extend(&mut c, &nodes, &tree, 0, &rows, bad)
+                .is_err());
+        }
+    }
+}
+
+#[test]
+fn engine_chain_without_head_leaves_the_same_cache() {
+    // forward_chain skips the LM head; the cache it leaves must be the one forward_chain_last
+    // leaves, so the next logits are identical.
+    for spec in specs() {
+        let (_dir, model) = load(&spec);
+        let vocab = model.info().vocab_size;
+        let prefix = tokens(9, 93, vocab);
+        let mut a = model.new_cache();
+        let mut b = model.new_cache();
+        model.forward_chain_last(&mut a, &prefix).unwrap();
+        model.forward_chain(&mut b, &prefix).unwrap();
+        assert_eq!(a.len(), b.len());
+        let next = tokens(1, 94, vocab);
+        assert_eq!(
+            model.forward_chain_last(&mut a, &next).unwrap(),
+            model.forward_chain_last(&mut b, &next).unwrap()
+        );
     }
 }
 
