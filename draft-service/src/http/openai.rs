@@ -306,53 +306,54 @@ fn message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             "tool calls are not supported",
         ));
     }
-    let content =
-        match field(m, "content") {
-            Some(Value::String(s)) => s.clone(),
-            // An assistant turn may come without content.
-            None if role == "assistant" => String::new(),
-            None => {
-                return Err(ApiError::invalid(
-                    at(".content"),
-                    format!("{} is required", at(".content")),
-                ))
-            }
-            Some(Value::Array(parts)) => {
-                let mut texts = Vec::with_capacity(parts.len());
-                for (j, p) in parts.iter().enumerate() {
-                    let part = format!("{}[{j}]", at(".content"));
-                    match (
-                        p.get("type").and_then(Value::as_str),
-                        p.get("text").and_then(Value::as_str),
-                    ) {
-                        (Some("text"), Some(t)) => texts.push(t),
-                        (Some("text"), None) => {
-                            return Err(ApiError::invalid(
-                                format!("{part}.text"),
-                                format!("{part}.text must be a string"),
-                            ))
-                        }
-                        (other, _) => return Err(ApiError::unsupported(
+    let content = match field(m, "content") {
+        Some(Value::String(s)) => s.clone(),
+        // An assistant turn may come without content.
+        None if role == "assistant" => String::new(),
+        None => {
+            return Err(ApiError::invalid(
+                at(".content"),
+                format!("{} is required", at(".content")),
+            ))
+        }
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, p) in parts.iter().enumerate() {
+                let part = format!("{}[{j}]", at(".content"));
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => texts.push(t),
+                    (Some("text"), None) => {
+                        return Err(ApiError::invalid(
+                            format!("{part}.text"),
+                            format!("{part}.text must be a string"),
+                        ))
+                    }
+                    (other, _) => {
+                        return Err(ApiError::unsupported(
                             &format!("{part}.type"),
                             format!(
                                 "content part type {other:?} is not supported; only text parts are"
                             ),
-                        )),
+                        ))
                     }
                 }
-                // Parts are separate blocks of text; a newline keeps their words apart.
-                texts.join("\n")
             }
-            Some(_) => {
-                return Err(ApiError::invalid(
-                    at(".content"),
-                    format!(
-                        "{} must be a string or an array of text parts",
-                        at(".content")
-                    ),
-                ))
-            }
-        };
+            // Parts are separate blocks of text; a newline keeps their words apart.
+            texts.join("\n")
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                at(".content"),
+                format!(
+                    "{} must be a string or an array of text parts",
+                    at(".content")
+                ),
+            ))
+        }
+    };
     Ok(ChatMessage {
         role: role.into(),
         content,
