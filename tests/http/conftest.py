@@ -4,9 +4,14 @@ passes their addresses in SEQUOIA_* variables; these scripts are not meant to ru
 import json
 import os
 
-import httpx
 import openai
 import pytest
+
+# The HTTP library the openai client itself uses (newer releases ship it as httpx2).
+try:
+    import httpx2 as httpx
+except ImportError:
+    import httpx
 
 
 def env(name):

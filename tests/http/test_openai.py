@@ -5,11 +5,10 @@ cannot go). Greedy texts are compared with what gRPC `Generate` and the target a
 import re
 import time
 
-import httpx
 import openai
 import pytest
 
-from conftest import env, error_of
+from conftest import env, error_of, httpx
 
 
 def chat_args(expected, model, **kw):
@@ -93,13 +92,15 @@ def test_content_parts_equal_a_string(client, model, expected):
     assert r.choices[0].message.content == expected["chat_text"]
 
 
-def test_system_message_changes_the_prompt(client, model, expected):
+def test_system_message_reaches_the_template(client, model, expected):
     r = client.chat.completions.create(**chat_args(
         expected, model,
         messages=[{"role": "system", "content": "Answer in French only."},
                   {"role": "user", "content": expected["chat_prompt"]}]))
-    assert r.usage.prompt_tokens > client.chat.completions.create(
-        **chat_args(expected, model, max_tokens=1)).usage.prompt_tokens
+    plain = client.chat.completions.create(**chat_args(expected, model, max_tokens=1))
+    # A different prompt (the template puts the system turn first), so a different answer.
+    assert r.usage.prompt_tokens != plain.usage.prompt_tokens
+    assert r.choices[0].message.content != expected["chat_text"]
 
 
 def test_completions_raw_greedy_equals_grpc_and_target(client, model, expected):
@@ -273,7 +274,10 @@ def test_busy_is_429_and_a_disconnect_frees_the_slot(client, base_url, token, mo
         except openai.RateLimitError:
             assert time.monotonic() < deadline, "the slot was not freed after the disconnect"
             time.sleep(0.2)
-    assert series(scrape(verify_metrics), "sequoia_active_sessions") == 0
+    # The verify node sees the session close just after the reply; give it a moment.
+    while series(scrape(verify_metrics), "sequoia_active_sessions") != 0:
+        assert time.monotonic() < deadline, "the verify session stayed open"
+        time.sleep(0.1)
     # The cancelled generation stopped early: the verify node committed far fewer tokens
     # than the budget, and no more once it was gone.
     committed = series(scrape(verify_metrics), "sequoia_generated_tokens_total")

@@ -3,11 +3,10 @@ codes and Retry-After when no verify node is reachable."""
 
 import time
 
-import httpx
 import openai
 import pytest
 
-from conftest import env, error_of
+from conftest import env, error_of, httpx
 
 
 def test_tls_with_the_grpc_certificate_and_token():

@@ -39,7 +39,7 @@ fn venv_python() -> PathBuf {
         });
     let python = venv.join("bin/python");
     let ok = Command::new(&python)
-        .args(["-c", "import openai, selenium, pytest, httpx"])
+        .args(["-c", "import openai, selenium, pytest"])
         .status()
         .is_ok_and(|s| s.success());
     assert!(
