@@ -373,9 +373,10 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
     eprintln!("draft  {}\ntarget {}", draft.display(), target.display());
     let logs = std::env::temp_dir().join(format!("sequoia-demo-{}", std::process::id()));
     std::fs::create_dir_all(&logs)?;
-    let (vport, dport) = (free_port()?, free_port()?);
+    let (vport, dport, hport) = (free_port()?, free_port()?, free_port()?);
     let verify_url = format!("http://127.0.0.1:{vport}");
     let draft_url = format!("http://127.0.0.1:{dport}");
+    let http_url = format!("http://127.0.0.1:{hport}");
     let rt = tokio::runtime::Runtime::new()?;
 
     eprintln!(
@@ -407,6 +408,8 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
             verify_url.clone(),
             "--listen".into(),
             format!("127.0.0.1:{dport}"),
+            "--http-listen".into(),
+            format!("127.0.0.1:{hport}"),
         ],
         // The tree budget goes through the environment layer of the config.
         &[("SEQUOIA_TREE__NODES", args.nodes.to_string())],
@@ -418,6 +421,11 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         Duration::from_secs(300),
     ))?;
 
+    eprintln!(
+        "== HTTP API (OpenAI-compatible) and playground on {http_url}/ (while the demo runs)\n   \
+         curl -N {http_url}/v1/chat/completions -d '{{\"model\": \"...\", \"stream\": true, \
+         \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'"
+    );
     eprintln!(
         "== generating through the service pair (T = {})\n",
         args.temperature

@@ -27,6 +27,10 @@ struct Flags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     listen: Option<String>,
+    /// OpenAI-compatible HTTP API and playground address, e.g. 0.0.0.0:8000 ("" = off).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    http_listen: Option<String>,
     /// Compute threads (0 = all cores).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -44,7 +48,10 @@ pub fn main() -> anyhow::Result<()> {
         sequoia_server::config::load(&DraftConfig::default(), flags.config.as_deref(), &flags)?;
     let listen = config.listen.clone();
     sequoia_server::process::run_server(&listen, config.log_json, |listener, shutdown| async move {
-        let state = crate::load_state(config)?;
-        crate::serve(state, listener, shutdown).await
+        // The HTTP port answers from the start (`/health` says 503 "loading" until the model is
+        // in memory), so load balancers and users see why it is not ready yet.
+        let http = crate::http::HttpServer::bind(&config).await?;
+        let state = tokio::task::spawn_blocking(move || crate::load_state(config)).await??;
+        crate::service::serve_with_http(state, listener, http, shutdown).await
     })
 }

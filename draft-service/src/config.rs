@@ -65,6 +65,9 @@ pub struct DraftConfig {
     pub health_listen: String,
     /// Prometheus `/metrics` address, e.g. 0.0.0.0:9091; empty = off.
     pub metrics_listen: String,
+    /// OpenAI-compatible HTTP API and web playground (draft-service/src/http/), with the same
+    /// TLS, tokens and generation slots as `listen`; empty = off.
+    pub http_listen: String,
 }
 
 /// The tree shape: a Sequoia DP tree. In "auto" mode its size and depth come from measured
@@ -166,6 +169,7 @@ impl Default for DraftConfig {
             verify_token_file: PathBuf::new(),
             health_listen: String::new(),
             metrics_listen: String::new(),
+            http_listen: "0.0.0.0:8000".into(),
         }
     }
 }

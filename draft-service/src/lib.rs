@@ -7,11 +7,13 @@
 //! [`serve`]), [`generation`] (one request: validation, the draft → verify → commit step loop,
 //! the verify link with failover, text deltas and stop strings, the summary), [`plan`] (tree
 //! shapes and the auto planner), [`nodes`] (verify nodes: discovery, health, least-loaded
-//! choice), [`state`] (what the node holds), [`config`] and [`cli`].
+//! choice), [`state`] (what the node holds), [`config`] and [`cli`]. [`http`] is a second front
+//! end over the same generation code: the OpenAI-compatible HTTP API and the web playground.
 
 pub mod cli;
 pub mod config;
 pub mod generation;
+pub mod http;
 pub mod nodes;
 pub mod plan;
 pub mod service;

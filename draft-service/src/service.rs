@@ -3,38 +3,22 @@
 //! server with health, reflection, TLS, tokens, metrics and draining shutdown.
 
 use crate::generation;
+pub use crate::generation::record_summary;
+use crate::http::HttpServer;
 use crate::state::DraftState;
-use futures::{Stream, StreamExt};
+use futures::Stream;
 use sequoia_proto::v1::generation_server::{Generation, GenerationServer};
-use sequoia_proto::v1::{GenerateChunk, GenerateRequest, GenerateSummary};
+use sequoia_proto::v1::{GenerateChunk, GenerateRequest};
 use sequoia_server::admission::Refused;
-use sequoia_server::metrics::Metrics;
 use sequoia_server::{process, security};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 use tonic::{Request, Response, Status};
-
-/// Record a finished generation (its final summary) in the metrics.
-pub fn record_summary(metrics: &Metrics, s: &GenerateSummary) {
-    let round_trip_ms = s
-        .timings
-        .as_ref()
-        .map_or(0.0, |t| t.verify_ms + t.network_ms);
-    metrics.generation(
-        s.generated_tokens as u64,
-        s.steps as u64,
-        &s.accepted_by_rank,
-        &s.trials_by_rank,
-        Duration::from_secs_f64(round_trip_ms.max(0.0) / 1e3),
-    );
-}
 
 #[derive(Clone)]
 pub struct GenerationService {
@@ -60,23 +44,7 @@ impl Generation for GenerationService {
             )),
         })?;
         let prepared = generation::prepare(&state, request.get_ref())?;
-        let (tx, rx) = mpsc::channel(16);
-        let metrics = state.metrics.clone();
-        tokio::spawn(async move {
-            let _slot = slot;
-            if let Err(status) = generation::run(state, prepared, &tx).await {
-                tracing::warn!(code = ?status.code(), message = status.message(), "generation failed");
-                let _ = tx.send(Err(status)).await;
-            }
-        });
-        let chunks = ReceiverStream::new(rx).inspect(move |chunk| {
-            if let Ok(GenerateChunk {
-                summary: Some(s), ..
-            }) = chunk
-            {
-                record_summary(&metrics, s);
-            }
-        });
+        let chunks = generation::spawn(state, prepared, slot);
         Ok(Response::new(Box::pin(chunks)))
     }
 }
@@ -89,6 +57,23 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let http = HttpServer::bind(&state.config).await?;
+    serve_with_http(state, listener, http, shutdown).await
+}
+
+/// [`serve`] with the HTTP API already bound (the command line binds it before the model loads,
+/// so it can answer `503 loading` meanwhile). On shutdown both ports refuse new generations;
+/// this returns once the gRPC and the HTTP ones still running have finished.
+pub async fn serve_with_http(
+    state: Arc<DraftState>,
+    listener: TcpListener,
+    http: Option<HttpServer>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    if let Some(h) = &http {
+        h.ready(state.clone());
+    }
+    let http = Arc::new(http);
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter
         .set_serving::<GenerationServer<GenerationService>>()
@@ -114,9 +99,13 @@ pub async fn serve(
         .pool
         .spawn_refresh(Duration::from_secs_f64(config.discovery_interval_secs));
     let drain = state.clone();
+    let http_drain = http.clone();
     let shutdown = async move {
         shutdown.await;
         drain.admission.start_draining();
+        if let Some(h) = http_drain.as_ref() {
+            h.stop_accepting();
+        }
         reporter
             .set_not_serving::<GenerationServer<GenerationService>>()
             .await;
@@ -133,8 +122,14 @@ pub async fn serve(
         auth = tokens.is_enabled(),
         metrics = ?metrics_server.as_ref().map(|m| m.addr),
         health = ?probe_endpoint.as_ref().map(|p| p.addr),
+        http = ?http.as_ref().as_ref().map(|h| h.addr),
         "draft-service listening"
     );
     let routes = Routes::new(health).add_service(reflection).add_service(svc);
-    process::serve_grpc(listener, tls, routes, shutdown).await
+    process::serve_grpc(listener, tls, routes, shutdown).await?;
+    // gRPC calls are done; HTTP generations hold admission slots until they end.
+    while state.admission.active() > 0 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
 }

@@ -24,6 +24,8 @@ pub struct DraftState {
     pub metrics: Metrics,
     /// Generation slots (`max_sessions`); refuses new generations once draining.
     pub admission: Arc<Admission>,
+    /// Where the HTTP API listens, once it does (`http_listen`; unset when off).
+    pub http_addr: std::sync::OnceLock<std::net::SocketAddr>,
 }
 
 impl DraftState {
@@ -88,6 +90,7 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
         config,
         pool: Arc::new(pool),
         planner,
+        http_addr: std::sync::OnceLock::new(),
     }))
 }
 

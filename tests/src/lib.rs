@@ -80,6 +80,8 @@ pub struct Running {
     pub addr: SocketAddr,
     /// The `/metrics` endpoint, when the config enables it.
     pub metrics: Option<SocketAddr>,
+    /// draft-service's HTTP API, when the config enables it.
+    pub http: Option<SocketAddr>,
     runtime: Option<tokio::runtime::Runtime>,
 }
 
@@ -182,6 +184,7 @@ where
     Running {
         addr,
         metrics: metrics_addr(&rt, metrics),
+        http: None,
         runtime: Some(rt),
     }
 }
@@ -194,6 +197,7 @@ pub fn draft_config(model: &Path, verify: &[String], nodes: usize, levels: usize
         listen: "127.0.0.1:0".into(),
         max_context: 1024,
         step_timeout_secs: 20.0,
+        http_listen: "127.0.0.1:0".into(),
         tree: TreeConfig {
             mode: "fixed".into(),
             nodes,
@@ -209,10 +213,24 @@ pub fn start_draft(config: DraftConfig) -> Running {
     let _in_runtime = rt.enter(); // verify channels are created inside a runtime
     let state = draft_service::load_state(config).expect("draft-service loads");
     let metrics = state.metrics.clone();
+    let http_on = !state.config.http_listen.trim().is_empty();
+    let served = state.clone();
     drop(_in_runtime);
-    launch(rt, "draft-service", &metrics, move |listener| {
-        draft_service::serve(state, listener, std::future::pending())
-    })
+    let mut running = launch(rt, "draft-service", &metrics, move |listener| {
+        draft_service::serve(served, listener, std::future::pending())
+    });
+    if http_on {
+        let rt = running.runtime.as_ref().unwrap();
+        running.http = Some(rt.block_on(within(10, async {
+            loop {
+                match state.http_addr.get() {
+                    Some(a) => return *a,
+                    None => tokio::time::sleep(Duration::from_millis(5)).await,
+                }
+            }
+        })));
+    }
+    running
 }
 
 /// Result of one Generate call, collected from the stream.

@@ -82,6 +82,8 @@ pub(super) fn spawn_services(args: &BenchArgs, rt: &tokio::runtime::Runtime) -> 
             format!("127.0.0.1:{port}"),
         ];
         a.extend(threads(args.draft_threads));
+        // Benchmarks speak gRPC only; several draft-services must not contend for the HTTP port.
+        a.extend(["--http-listen".to_string(), String::new()]);
         let mut env = vec![(
             "SEQUOIA_TREE__MODE",
             if auto { "auto" } else { "fixed" }.into(),

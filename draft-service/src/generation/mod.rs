@@ -14,6 +14,7 @@ mod summary;
 mod text;
 
 pub use request::{prepare, Prepared};
+pub use summary::record_summary;
 
 use crate::nodes::{unavailable, VerifyNode};
 use crate::plan::ActivePlan;
@@ -25,16 +26,38 @@ use sequoia_core::tree::Tree;
 use sequoia_core::types::FinishReason;
 use sequoia_engine::drafting::{DraftSession, DraftedTree};
 use sequoia_proto::v1::{GenerateChunk, Verdict};
+use sequoia_server::admission::Permit;
 use sequoia_server::wire;
 use std::sync::Arc;
 use std::time::Instant;
 use summary::StepTimes;
 use text::TextOut;
 use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::Status;
 use tracing::{debug, info_span, Instrument};
 
 pub type ChunkTx = mpsc::Sender<Result<GenerateChunk, Status>>;
+
+/// The chunks of one running generation: text deltas, then the chunk with the summary; or an
+/// error as the last item.
+pub type Chunks = ReceiverStream<Result<GenerateChunk, Status>>;
+
+/// Run a prepared generation on a task of its own, holding the admission `slot` until it ends.
+/// Both front ends (gRPC `Generate`, the HTTP API) start generations here. Dropping the
+/// returned stream (the client went away) stops the generation at its next step, which closes
+/// the verify session and frees the slot.
+pub fn spawn(state: Arc<DraftState>, prep: Prepared, slot: Permit) -> Chunks {
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        let _slot = slot;
+        if let Err(status) = run(state, prep, &tx).await {
+            tracing::warn!(code = ?status.code(), message = status.message(), "generation failed");
+            let _ = tx.send(Err(status)).await;
+        }
+    });
+    ReceiverStream::new(rx)
+}
 
 /// Run one generation, streaming chunks to `tx`. Errors are returned for the caller to send.
 pub async fn run(state: Arc<DraftState>, prep: Prepared, tx: &ChunkTx) -> Result<(), Status> {
@@ -60,7 +83,7 @@ async fn generate(
     tx: &ChunkTx,
     t_start: Instant,
 ) -> Result<(), Status> {
-    let (mut g, mut draft) = Generation::start(state, &prep).await?;
+    let (mut g, mut draft) = Generation::start(state, &prep, t_start).await?;
     let mut out = TextOut::new(&state.tokenizer, &prep.stop);
     let t_gen = Instant::now();
     let finish = loop {
@@ -93,6 +116,8 @@ async fn generate(
     let tail = out.take_ready(true);
     g.fold_acceptance();
     let summary = g.summary(finish, t_start, t_gen.elapsed());
+    // Recorded here rather than by a front end, so gRPC and HTTP generations count alike.
+    record_summary(&state.metrics, &summary);
     let _ = tx
         .send(Ok(GenerateChunk {
             text: tail,
@@ -121,6 +146,12 @@ struct Generation<'a> {
     /// Prompt-lookup nodes sent, and accepted.
     lookup_proposed: u64,
     lookup_accepted: u64,
+    /// Drafted tokens verified so far (tree nodes minus roots).
+    drafted: u64,
+    /// When the generation started, and when text last went to the client (for the
+    /// time-to-first-token and inter-token-latency metrics).
+    t_start: Instant,
+    last_delivery: Option<Instant>,
 }
 
 impl<'a> Generation<'a> {
@@ -129,6 +160,7 @@ impl<'a> Generation<'a> {
     async fn start(
         state: &'a Arc<DraftState>,
         prep: &'a Prepared,
+        t_start: Instant,
     ) -> Result<(Generation<'a>, DraftSession), Status> {
         let prompt = &prep.prompt_tokens;
         let (prefix, root) = (
@@ -171,6 +203,9 @@ impl<'a> Generation<'a> {
             times,
             lookup_proposed: 0,
             lookup_accepted: 0,
+            drafted: 0,
+            t_start,
+            last_delivery: None,
         };
         Ok((g, draft))
     }
@@ -311,6 +346,9 @@ impl<'a> Generation<'a> {
         self.counts
             .record_step(grown, &path, ranks, accepted.len() + 1);
         self.lookup_accepted += accepted.iter().filter(|&&v| drafted.is_lookup(v)).count() as u64;
+        let draft_tokens = drafted.tree.len().saturating_sub(1);
+        self.drafted += draft_tokens as u64;
+        self.state.metrics.spec_step(draft_tokens, accepted.len());
         debug!(
             step = self.steps(),
             accepted = accepted.len(),
@@ -352,6 +390,12 @@ impl<'a> Generation<'a> {
         }
         let text = out.take_ready(finished.is_some());
         if !text.is_empty() || !chunk_ids.is_empty() {
+            let now = Instant::now();
+            match self.last_delivery {
+                None => self.state.metrics.first_token(now - self.t_start),
+                Some(last) => self.state.metrics.inter_token(now - last, chunk_ids.len()),
+            }
+            self.last_delivery = Some(now);
             let chunk = GenerateChunk {
                 text,
                 token_ids: chunk_ids,

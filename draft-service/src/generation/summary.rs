@@ -4,7 +4,23 @@
 use super::Generation;
 use sequoia_core::types::FinishReason;
 use sequoia_proto::v1::{GenerateSummary, Timings, TreePlan};
+use sequoia_server::metrics::Metrics;
 use std::time::{Duration, Instant};
+
+/// Record a finished generation (its final summary) in the metrics.
+pub fn record_summary(metrics: &Metrics, s: &GenerateSummary) {
+    let round_trip_ms = s
+        .timings
+        .as_ref()
+        .map_or(0.0, |t| t.verify_ms + t.network_ms);
+    metrics.generation(
+        s.generated_tokens as u64,
+        s.steps as u64,
+        &s.accepted_by_rank,
+        &s.trials_by_rank,
+        Duration::from_secs_f64(round_trip_ms.max(0.0) / 1e3),
+    );
+}
 
 /// Where one generation's time went.
 #[derive(Debug, Default)]
@@ -60,6 +76,7 @@ impl Generation<'_> {
             failovers: self.link.failovers(),
             lookup_proposed: self.lookup_proposed,
             lookup_accepted: self.lookup_accepted,
+            drafted_tokens: self.drafted,
             plan: Some(self.plan_message()),
         }
     }

@@ -20,6 +20,16 @@
 //! | [`ACTIVE_SESSIONS`] | gauge | open sessions (verify) / running generations (draft); the HPA metric |
 //! | [`QUEUE_DEPTH`] | gauge | requests waiting for a slot (0: the services refuse instead of queueing) |
 //! | [`FAILOVERS`] | counter | draft: sessions moved to another verify node |
+//! | [`SPEC_DRAFTS`] | counter | draft: steps that verified at least one drafted token (vLLM's `spec_decode_num_drafts`) |
+//! | [`SPEC_DRAFT_TOKENS`] | counter | draft: drafted tokens sent for verification (tree nodes minus roots) |
+//! | [`SPEC_ACCEPTED_TOKENS`] | counter | draft: drafted tokens the target accepted |
+//! | [`SPEC_ACCEPTED_PER_POS`] | counter, `position` | draft: accepted tokens at depth `position` of the tree (1 = first drafted token; the last label also counts deeper ones) |
+//! | [`TIME_TO_FIRST_TOKEN`] | histogram, seconds | draft: generation start → first text sent |
+//! | [`INTER_TOKEN_LATENCY`] | histogram, seconds | draft: gap between text deliveries per token delivered (one observation per token) |
+//! | [`HTTP_REQUESTS`] | counter, `route`, `status` | draft: OpenAI-compatible HTTP requests (appears with the first request) |
+//!
+//! The spec-decode, latency and HTTP series are recorded per step and per request, where they
+//! happen, by the generation loop both front ends (gRPC and HTTP) share.
 //!
 //! The draft side records from each generation's final summary, which carries totals rather than
 //! per-step values: its histograms get one observation per step at the generation's mean, so
@@ -41,9 +51,17 @@ pub const VERIFY_LATENCY: &str = "sequoia_verify_latency_seconds";
 pub const ACTIVE_SESSIONS: &str = "sequoia_active_sessions";
 pub const QUEUE_DEPTH: &str = "sequoia_queue_depth";
 pub const FAILOVERS: &str = "sequoia_failovers_total";
+pub const SPEC_DRAFTS: &str = "sequoia_spec_decode_num_drafts_total";
+pub const SPEC_DRAFT_TOKENS: &str = "sequoia_spec_decode_num_draft_tokens_total";
+pub const SPEC_ACCEPTED_TOKENS: &str = "sequoia_spec_decode_num_accepted_tokens_total";
+pub const SPEC_ACCEPTED_PER_POS: &str = "sequoia_spec_decode_num_accepted_tokens_per_pos_total";
+pub const TIME_TO_FIRST_TOKEN: &str = "sequoia_time_to_first_token_seconds";
+pub const INTER_TOKEN_LATENCY: &str = "sequoia_inter_token_latency_seconds";
+pub const HTTP_REQUESTS: &str = "sequoia_http_requests_total";
 
-/// Every series name, for tests and docs.
-pub const ALL: [&str; 10] = [
+/// Every series registered from the start (all but [`HTTP_REQUESTS`], whose labels are only
+/// known once requests arrive), for tests and docs.
+pub const ALL: [&str; 16] = [
     REQUESTS,
     GENERATED_TOKENS,
     STEPS,
@@ -54,6 +72,12 @@ pub const ALL: [&str; 10] = [
     ACTIVE_SESSIONS,
     QUEUE_DEPTH,
     FAILOVERS,
+    SPEC_DRAFTS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_ACCEPTED_PER_POS,
+    TIME_TO_FIRST_TOKEN,
+    INTER_TOKEN_LATENCY,
 ];
 
 /// Ranks above this share the last `rank` label value (keeps the label set bounded).
@@ -62,6 +86,9 @@ const MAX_RANK_LABEL: usize = 16;
 const TOKENS_PER_STEP_BUCKETS: [f64; 10] = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0];
 const LATENCY_BUCKETS: [f64; 14] = [
     0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+];
+const TTFT_BUCKETS: [f64; 14] = [
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 60.0,
 ];
 
 static METADATA: Metadata<'static> =
@@ -83,6 +110,12 @@ struct Inner {
     failovers: Counter,
     accepted: Vec<Counter>,
     trials: Vec<Counter>,
+    drafts: Counter,
+    draft_tokens: Counter,
+    accepted_tokens: Counter,
+    accepted_per_pos: Vec<Counter>,
+    ttft: Histogram,
+    itl: Histogram,
     addr: OnceLock<SocketAddr>,
 }
 
@@ -104,13 +137,22 @@ impl Metrics {
             .and_then(|b| {
                 b.set_buckets_for_metric(Matcher::Full(VERIFY_LATENCY.into()), &LATENCY_BUCKETS)
             })
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(TIME_TO_FIRST_TOKEN.into()), &TTFT_BUCKETS)
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full(INTER_TOKEN_LATENCY.into()),
+                    &LATENCY_BUCKETS,
+                )
+            })
             .expect("bucket lists are non-empty")
             .build_recorder();
         let key = |name: &'static str| Key::from_static_name(name);
-        let ranked = |name: &'static str| -> Vec<Counter> {
+        let labelled = |name: &'static str, label: &'static str| -> Vec<Counter> {
             (1..=MAX_RANK_LABEL)
                 .map(|r| {
-                    let label = Label::new("rank", r.to_string());
+                    let label = Label::new(label, r.to_string());
                     recorder.register_counter(&Key::from_parts(name, vec![label]), &METADATA)
                 })
                 .collect()
@@ -124,8 +166,14 @@ impl Metrics {
             active: recorder.register_gauge(&key(ACTIVE_SESSIONS), &METADATA),
             queue: recorder.register_gauge(&key(QUEUE_DEPTH), &METADATA),
             failovers: recorder.register_counter(&key(FAILOVERS), &METADATA),
-            accepted: ranked(ACCEPTED_BY_RANK),
-            trials: ranked(TRIALS_BY_RANK),
+            accepted: labelled(ACCEPTED_BY_RANK, "rank"),
+            trials: labelled(TRIALS_BY_RANK, "rank"),
+            drafts: recorder.register_counter(&key(SPEC_DRAFTS), &METADATA),
+            draft_tokens: recorder.register_counter(&key(SPEC_DRAFT_TOKENS), &METADATA),
+            accepted_tokens: recorder.register_counter(&key(SPEC_ACCEPTED_TOKENS), &METADATA),
+            accepted_per_pos: labelled(SPEC_ACCEPTED_PER_POS, "position"),
+            ttft: recorder.register_histogram(&key(TIME_TO_FIRST_TOKEN), &METADATA),
+            itl: recorder.register_histogram(&key(INTER_TOKEN_LATENCY), &METADATA),
             addr: OnceLock::new(),
             recorder,
         };
@@ -200,6 +248,54 @@ impl Metrics {
         for r in ranks {
             i.rank_counter(&i.accepted, r).increment(1);
         }
+    }
+
+    /// One draft step: `draft_tokens` drafted tokens verified (tree nodes minus the root), of
+    /// which the first `accepted` positions of the path were accepted. A step without drafted
+    /// tokens (no speculation) is not a draft and records nothing.
+    pub fn spec_step(&self, draft_tokens: usize, accepted: usize) {
+        let Some(i) = &self.0 else { return };
+        if draft_tokens == 0 {
+            return;
+        }
+        i.drafts.increment(1);
+        i.draft_tokens.increment(draft_tokens as u64);
+        i.accepted_tokens.increment(accepted as u64);
+        for pos in 1..=accepted {
+            i.rank_counter(&i.accepted_per_pos, pos).increment(1);
+        }
+    }
+
+    /// The first text of a generation went out `after` its start.
+    pub fn first_token(&self, after: Duration) {
+        if let Some(i) = &self.0 {
+            i.ttft.record(after.as_secs_f64());
+        }
+    }
+
+    /// `tokens` tokens went out `gap` after the previous delivery: one observation of
+    /// gap / tokens per token, so the histogram counts tokens as vLLM's does.
+    pub fn inter_token(&self, gap: Duration, tokens: usize) {
+        let Some(i) = &self.0 else { return };
+        if tokens == 0 {
+            return;
+        }
+        let per = gap.as_secs_f64() / tokens as f64;
+        for _ in 0..tokens {
+            i.itl.record(per);
+        }
+    }
+
+    /// One HTTP request answered (`route` from a fixed set, so the label set stays bounded).
+    pub fn http_request(&self, route: &'static str, status: u16) {
+        let Some(i) = &self.0 else { return };
+        let labels = vec![
+            Label::new("route", route),
+            Label::new("status", status.to_string()),
+        ];
+        i.recorder
+            .register_counter(&Key::from_parts(HTTP_REQUESTS, labels), &METADATA)
+            .increment(1);
     }
 
     /// One finished generation, from its summary totals (draft side; see the module docs).
@@ -352,5 +448,41 @@ mod tests {
             6.0
         );
         assert_eq!(value(&format!("{TRIALS_BY_RANK}{{{svc},rank=\"2\"}}")), 2.0);
+    }
+
+    #[test]
+    fn spec_decode_latency_and_http_series() {
+        let m = Metrics::new("draft-service");
+        m.spec_step(5, 2);
+        m.spec_step(0, 0); // no speculation: not a draft
+        m.spec_step(3, 3);
+        m.first_token(Duration::from_millis(200));
+        m.inter_token(Duration::from_millis(30), 3);
+        m.http_request("/v1/completions", 200);
+        m.http_request("/v1/completions", 200);
+        m.http_request("/v1/completions", 400);
+        let text = m.render();
+        let svc = "service=\"draft-service\"";
+        let v = |s: String| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(s.as_str())?.strip_prefix(' ')?.parse().ok())
+                .unwrap_or_else(|| panic!("{s} not in\n{text}"))
+        };
+        assert_eq!(v(format!("{SPEC_DRAFTS}{{{svc}}}")), 2.0);
+        assert_eq!(v(format!("{SPEC_DRAFT_TOKENS}{{{svc}}}")), 8.0);
+        assert_eq!(v(format!("{SPEC_ACCEPTED_TOKENS}{{{svc}}}")), 5.0);
+        let pos = |p: u32| v(format!("{SPEC_ACCEPTED_PER_POS}{{{svc},position=\"{p}\"}}"));
+        assert_eq!((pos(1), pos(2), pos(3), pos(4)), (2.0, 2.0, 1.0, 0.0));
+        assert_eq!(v(format!("{TIME_TO_FIRST_TOKEN}_count{{{svc}}}")), 1.0);
+        assert_eq!(v(format!("{INTER_TOKEN_LATENCY}_count{{{svc}}}")), 3.0);
+        let route = "route=\"/v1/completions\"";
+        assert_eq!(
+            v(format!("{HTTP_REQUESTS}{{{svc},{route},status=\"200\"}}")),
+            2.0
+        );
+        assert_eq!(
+            v(format!("{HTTP_REQUESTS}{{{svc},{route},status=\"400\"}}")),
+            1.0
+        );
     }
 }

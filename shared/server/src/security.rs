@@ -81,6 +81,58 @@ pub fn server_tls(
     }
 }
 
+/// The same settings as [`server_tls`] as a rustls config, for listeners that are not gRPC
+/// (draft-service's HTTP API), so both ports accept the same certificates and client CA.
+/// `None` = plaintext.
+pub fn rustls_server_config(
+    cert: &Path,
+    key: &Path,
+    client_ca: &Path,
+) -> Result<Option<Arc<tokio_rustls::rustls::ServerConfig>>, SecurityError> {
+    use tokio_rustls::rustls::{self, pki_types::pem::PemObject, pki_types::*};
+    // Same half-configuration rules as the gRPC port.
+    if server_tls(cert, key, client_ca)?.is_none() {
+        return Ok(None);
+    }
+    let (Some(cert), Some(key)) = (given(cert), given(key)) else {
+        return Ok(None);
+    };
+    let bad = |what: &str, path: &Path, e: &dyn std::fmt::Display| {
+        SecurityError::Invalid(format!("{what} {}: {e}", path.display()))
+    };
+    let chain = CertificateDer::pem_slice_iter(&read("certificate", cert)?)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| bad("certificate", cert, &e))?;
+    let key_der = PrivateKeyDer::from_pem_slice(&read("private key", key)?)
+        .map_err(|e| bad("private key", key, &e))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| SecurityError::Invalid(format!("TLS versions: {e}")))?;
+    let builder = match given(client_ca) {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = rustls::RootCertStore::empty();
+            for c in CertificateDer::pem_slice_iter(&read("client CA", ca)?) {
+                let c = c.map_err(|e| bad("client CA", ca, &e))?;
+                roots.add(c).map_err(|e| bad("client CA", ca, &e))?;
+            }
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider,
+            )
+            .build()
+            .map_err(|e| bad("client CA", ca, &e))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder
+        .with_single_cert(chain, key_der)
+        .map_err(|e| bad("certificate and key", cert, &e))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Some(Arc::new(config)))
+}
+
 /// Client TLS: trust `ca` (PEM) besides the system roots; present `cert` + `key` when given
 /// (mutual TLS); verify the server as `domain` when non-empty instead of the URL's host (useful
 /// when connecting to pod IPs with a certificate issued for a Service name).
@@ -231,39 +283,57 @@ impl TokenCheck {
         !self.0.is_empty()
     }
 
-    /// UNAUTHENTICATED with a message that says what to send, unless the call carries a valid
-    /// token (or auth is off).
-    pub fn check(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+    /// Whether an `authorization` value (header or metadata; `None` when absent) carries an
+    /// accepted token. Always accepted when auth is off. Shared by the gRPC interceptor and
+    /// the HTTP API, so both ports accept exactly the same tokens.
+    pub fn accepts(&self, authorization: Option<&[u8]>) -> Result<(), TokenRefused> {
         if !self.is_enabled() {
             return Ok(());
         }
-        let Some(value) = metadata.get(AUTHORIZATION) else {
-            return Err(Status::unauthenticated(
-                "missing bearer token: send the metadata `authorization: Bearer <token>` \
-                 (sequoia generate --token or SEQUOIA_TOKEN)",
-            ));
-        };
-        let token = value
-            .to_str()
+        let value = authorization.ok_or(TokenRefused::Missing)?;
+        let token = std::str::from_utf8(value)
             .ok()
             .and_then(|v| {
                 v.strip_prefix("Bearer ")
                     .or_else(|| v.strip_prefix("bearer "))
             })
-            .ok_or_else(|| {
-                Status::unauthenticated(
-                    "malformed authorization metadata: expected `Bearer <token>`",
-                )
-            })?;
-        let d = digest(token.trim());
-        if self.0.contains(&d) {
+            .ok_or(TokenRefused::Malformed)?;
+        if self.0.contains(&digest(token.trim())) {
             Ok(())
         } else {
-            Err(Status::unauthenticated(
-                "invalid bearer token: not one this service accepts (auth_tokens / auth_tokens_file)",
-            ))
+            Err(TokenRefused::Invalid)
         }
     }
+
+    /// UNAUTHENTICATED with a message that says what to send, unless the call carries a valid
+    /// token (or auth is off).
+    pub fn check(&self, metadata: &tonic::metadata::MetadataMap) -> Result<(), Status> {
+        let value = metadata.get(AUTHORIZATION).map(|v| v.as_bytes());
+        self.accepts(value).map_err(|r| {
+            Status::unauthenticated(match r {
+                TokenRefused::Missing => {
+                    "missing bearer token: send the metadata `authorization: Bearer <token>` \
+                     (sequoia generate --token or SEQUOIA_TOKEN)"
+                }
+                TokenRefused::Malformed => {
+                    "malformed authorization metadata: expected `Bearer <token>`"
+                }
+                TokenRefused::Invalid => {
+                    "invalid bearer token: not one this service accepts (auth_tokens / auth_tokens_file)"
+                }
+            })
+        })
+    }
+}
+
+/// Why [`TokenCheck::accepts`] refused a call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenRefused {
+    Missing,
+    /// Not `Bearer <token>`.
+    Malformed,
+    /// Not one of the accepted tokens.
+    Invalid,
 }
 
 impl Interceptor for TokenCheck {
@@ -375,6 +445,9 @@ mod tests {
         assert!(server_tls(none, none, none).unwrap().is_none());
         assert!(server_tls(Path::new("/c.pem"), none, none).is_err());
         assert!(server_tls(none, none, Path::new("/ca.pem")).is_err());
+        assert!(rustls_server_config(none, none, none).unwrap().is_none());
+        assert!(rustls_server_config(Path::new("/c.pem"), none, none).is_err());
+        assert!(rustls_server_config(none, none, Path::new("/ca.pem")).is_err());
         assert!(client_tls(none, Path::new("/c.pem"), none, "").is_err());
         let plain = ClientSecurity::default();
         assert!(plain.endpoint("127.0.0.1:1").is_ok());
