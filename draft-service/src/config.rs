@@ -61,6 +61,16 @@ pub struct DraftConfig {
     pub health_listen: String,
     /// Prometheus `/metrics` address, e.g. 0.0.0.0:9091; empty = off.
     pub metrics_listen: String,
+    /// On shutdown, seconds running generations may still finish before every connection is
+    /// closed (a second SIGTERM exits at once).
+    pub drain_timeout_secs: f64,
+    /// HTTP/2 keepalive PING interval towards clients (seconds, 0 = off).
+    pub keepalive_secs: f64,
+    /// Most concurrent streams one client connection may open (0 = the HTTP/2 default).
+    pub max_concurrent_streams: u32,
+    /// Refuse to start when bearer tokens (`auth_tokens*`, or `verify_token*` with a plaintext
+    /// verify URL) would cross the network without TLS; false = start with a loud warning.
+    pub refuse_tokens_without_tls: bool,
 }
 
 /// The tree shape: a Sequoia DP tree. In "auto" mode its size and depth come from measured
@@ -127,6 +137,10 @@ impl Default for DraftConfig {
             verify_token_file: PathBuf::new(),
             health_listen: String::new(),
             metrics_listen: String::new(),
+            drain_timeout_secs: 30.0,
+            keepalive_secs: 30.0,
+            max_concurrent_streams: 64,
+            refuse_tokens_without_tls: false,
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use crate::generation;
 use crate::state::DraftState;
-use futures::{Stream, StreamExt};
+use futures::{FutureExt, Stream, StreamExt};
 use sequoia_proto::v1::generation_server::{Generation, GenerationServer};
 use sequoia_proto::v1::{GenerateChunk, GenerateRequest, GenerateSummary};
 use sequoia_server::admission::Refused;
@@ -12,6 +12,7 @@ use sequoia_server::metrics::Metrics;
 use sequoia_server::{process, security};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -20,6 +21,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::service::Routes;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 /// Record a finished generation (its final summary) in the metrics.
 pub fn record_summary(metrics: &Metrics, s: &GenerateSummary) {
@@ -32,7 +34,7 @@ pub fn record_summary(metrics: &Metrics, s: &GenerateSummary) {
         s.steps as u64,
         &s.accepted_by_rank,
         &s.trials_by_rank,
-        Duration::from_secs_f64(round_trip_ms.max(0.0) / 1e3),
+        process::secs(round_trip_ms / 1e3),
     );
 }
 
@@ -51,24 +53,49 @@ impl Generation for GenerationService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let state = self.state.clone();
         state.metrics.request();
+        let id = request_id();
         let slot = state.admission.try_acquire().map_err(|r| match r {
-            Refused::Draining => {
-                Status::unavailable("draft node is shutting down; retry on another")
-            }
+            Refused::Draining => Status::unavailable(format!(
+                "draft node is shutting down; retry on another (request id {id})"
+            )),
             Refused::Full { active, max } => Status::resource_exhausted(format!(
-                "draft node is busy ({active} of {max} generations running); retry later"
+                "draft node is busy ({active} of {max} generations running); retry later (request id {id})"
             )),
         })?;
-        let prepared = generation::prepare(&state, request.get_ref())?;
+        let req = request.into_inner();
+        let st = state.clone();
+        // Templating and tokenization are CPU work in proportion to the prompt: off the async
+        // workers (the slot above bounds how many run at once).
+        let prepared = tokio::task::spawn_blocking(move || generation::prepare(&st, &req))
+            .await
+            .map_err(|e| {
+                tracing::error!(request_id = %id, error = ?e.to_string(), "request preparation failed");
+                Status::internal(format!("internal error (request id {id})"))
+            })?
+            .map_err(|s| {
+                // Validation messages are about the caller's own input: they stay as they are.
+                tracing::info!(request_id = %id, code = ?s.code(), message = ?s.message(), "request refused");
+                Status::new(s.code(), format!("{} (request id {id})", s.message()))
+            })?;
         let (tx, rx) = mpsc::channel(16);
         let metrics = state.metrics.clone();
-        tokio::spawn(async move {
-            let _slot = slot;
-            if let Err(status) = generation::run(state, prepared, &tx).await {
-                tracing::warn!(code = ?status.code(), message = status.message(), "generation failed");
-                let _ = tx.send(Err(status)).await;
+        let task_id = id.clone();
+        tokio::spawn(
+            async move {
+                let _slot = slot;
+                // A panic must still end the client's stream with an error, never with a plain
+                // end of stream that looks like success without a summary.
+                let run = std::panic::AssertUnwindSafe(generation::run(state, prepared, &tx));
+                let status = match run.catch_unwind().await {
+                    Ok(Ok(())) => return,
+                    Ok(Err(status)) => status,
+                    Err(panic) => Status::internal(format!("generation panicked: {}", panic_text(&*panic))),
+                };
+                tracing::warn!(request_id = %task_id, code = ?status.code(), detail = ?status.message(), "generation failed");
+                let _ = tx.send(Err(public_status(&status, &task_id))).await;
             }
-        });
+            .instrument(tracing::info_span!("request", id = %id)),
+        );
         let chunks = ReceiverStream::new(rx).inspect(move |chunk| {
             if let Ok(GenerateChunk {
                 summary: Some(s), ..
@@ -77,8 +104,59 @@ impl Generation for GenerationService {
                 record_summary(&metrics, s);
             }
         });
-        Ok(Response::new(Box::pin(chunks)))
+        let mut response = Response::new(Box::pin(chunks) as Self::GenerateStream);
+        if let Ok(v) = id.parse() {
+            response.metadata_mut().insert(REQUEST_ID, v);
+        }
+        Ok(response)
     }
+}
+
+/// Response metadata carrying the request id (also in every error message), which the
+/// server's log lines for this request carry too.
+pub const REQUEST_ID: &str = "x-request-id";
+
+fn request_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(NEXT.fetch_add(1, Ordering::Relaxed));
+    format!("{:016x}", h.finish())
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// What a public client sees of a failed generation: the status code, a short reason it can act
+/// on, and the request id. The detail (verify node addresses, engine errors) goes to this
+/// node's log under the same request id.
+pub fn public_status(s: &Status, id: &str) -> Status {
+    use tonic::Code::*;
+    let (code, reason) = match s.code() {
+        Unavailable => (
+            Unavailable,
+            "no verify node could serve this generation right now; retry later",
+        ),
+        ResourceExhausted => (
+            ResourceExhausted,
+            "the verify nodes cannot take this generation now (session or context limits); retry later or ask for fewer tokens",
+        ),
+        FailedPrecondition => (
+            FailedPrecondition,
+            "this deployment's draft and verify nodes are incompatible (tokenizer or protocol version); the operator must fix it",
+        ),
+        DeadlineExceeded => (DeadlineExceeded, "a verify step did not finish in time; retry"),
+        Cancelled => (Cancelled, "the generation was cancelled"),
+        _ => (Internal, "internal error"),
+    };
+    Status::new(
+        code,
+        format!("{reason} (request id {id}; the detail is in the draft-service log)"),
+    )
 }
 
 /// Serve Generation + health + reflection on `listener` until `shutdown` resolves; then refuse
@@ -99,6 +177,12 @@ pub async fn serve(
     let config = &state.config;
     let tls = security::server_tls(&config.tls_cert, &config.tls_key, &config.tls_client_ca)?;
     let tokens = security::TokenCheck::load(&config.auth_tokens, &config.auth_tokens_file)?;
+    security::tokens_need_tls(
+        tokens.is_enabled(),
+        tls.is_some(),
+        config.refuse_tokens_without_tls,
+        "auth_tokens",
+    )?;
     // The token check guards Generation only: health and reflection stay open for probes.
     let svc = InterceptedService::new(
         GenerationServer::new(GenerationService {
@@ -120,7 +204,10 @@ pub async fn serve(
         reporter
             .set_not_serving::<GenerationServer<GenerationService>>()
             .await;
-        tracing::info!("shutting down: no new generations, running ones finish");
+        tracing::info!(
+            drain_timeout_secs = drain.config.drain_timeout_secs,
+            "shutting down: no new generations, running ones may finish"
+        );
     };
     tracing::info!(
         addr = %listener.local_addr()?,
@@ -136,5 +223,11 @@ pub async fn serve(
         "draft-service listening"
     );
     let routes = Routes::new(health).add_service(reflection).add_service(svc);
-    process::serve_grpc(listener, tls, routes, shutdown).await
+    let limits = process::GrpcLimits {
+        keepalive: process::secs(config.keepalive_secs),
+        max_concurrent_streams: config.max_concurrent_streams,
+        drain_deadline: process::secs(config.drain_timeout_secs),
+        ..process::GrpcLimits::default()
+    };
+    process::serve_grpc(listener, tls, routes, shutdown, limits).await
 }

@@ -134,7 +134,15 @@ impl<'a> Generation<'a> {
             DraftSession::new(&model, &draft_prefix, params, seed, wire_k)
         });
         let sampling = wire::sampling_config(&prep.params);
-        let link = VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await?;
+        let link = match VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await {
+            Ok(link) => link,
+            Err(e) => {
+                // The prefill cannot be stopped midway: wait for it, so this generation's slot
+                // stays taken (the work stays counted) until the CPU is free again.
+                let _ = draft_prefill.await;
+                return Err(e);
+            }
+        };
         tracing::Span::current().record("node", link.addr());
         let draft = draft_prefill
             .await

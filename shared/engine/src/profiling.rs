@@ -20,6 +20,20 @@ pub fn measure_forward(
     repeats: usize,
     shape: impl Fn(usize) -> Tree,
 ) -> Result<Vec<f64>, EngineError> {
+    let all = measure_forward_while(model, sizes, context, repeats, shape, &|| true)?;
+    Ok(all.unwrap_or_default()) // `go_on` never says no here
+}
+
+/// [`measure_forward`] that asks `go_on` before every forward and returns `None` as soon as it
+/// says no (the caller went away or ran out of time), so a long profile can be stopped.
+pub fn measure_forward_while(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+    shape: impl Fn(usize) -> Tree,
+    go_on: &dyn Fn() -> bool,
+) -> Result<Option<Vec<f64>>, EngineError> {
     let vocab = model.info().vocab_size as u32;
     let mut cache = model.new_cache();
     // Deterministic filler tokens spread over the vocabulary.
@@ -40,6 +54,9 @@ pub fn measure_forward(
             .collect();
         let mut times = Vec::with_capacity(repeats);
         for _ in 0..repeats.max(1) {
+            if !go_on() {
+                return Ok(None);
+            }
             let t0 = Instant::now();
             model.forward_tree(&mut cache, &tokens, &tree)?;
             times.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -48,7 +65,7 @@ pub fn measure_forward(
         times.sort_by(f64::total_cmp);
         out.push(times[times.len() / 2]);
     }
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// t_v(n): Sequoia-shaped trees, as the target will see them.
@@ -62,6 +79,20 @@ pub fn measure_verify(
     let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, largest.max(1), 16)
         .expect("the example vector is valid");
     measure_forward(model, sizes, context, repeats, |n| dp.tree(n, 16))
+}
+
+/// [`measure_verify`] that stops (returning `None`) once `go_on` says no.
+pub fn measure_verify_while(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+    go_on: &dyn Fn() -> bool,
+) -> Result<Option<Vec<f64>>, EngineError> {
+    let largest = sizes.iter().copied().max().unwrap_or(1) as usize;
+    let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, largest.max(1), 16)
+        .expect("the example vector is valid");
+    measure_forward_while(model, sizes, context, repeats, |n| dp.tree(n, 16), go_on)
 }
 
 /// t_d(w): one level of w siblings (a star of w − 1 children under a root stands in for it).
