@@ -68,6 +68,16 @@ pub struct DraftConfig {
     /// OpenAI-compatible HTTP API and web playground (draft-service/src/http/), with the same
     /// TLS, tokens and generation slots as `listen`; empty = off.
     pub http_listen: String,
+    /// On shutdown, seconds running generations may still finish before every connection is
+    /// closed (a second SIGTERM exits at once).
+    pub drain_timeout_secs: f64,
+    /// HTTP/2 keepalive PING interval towards clients (seconds, 0 = off).
+    pub keepalive_secs: f64,
+    /// Most concurrent streams one client connection may open (0 = the HTTP/2 default).
+    pub max_concurrent_streams: u32,
+    /// Refuse to start when bearer tokens (`auth_tokens*`, or `verify_token*` with a plaintext
+    /// verify URL) would cross the network without TLS; false = start with a loud warning.
+    pub refuse_tokens_without_tls: bool,
 }
 
 /// The tree shape: a Sequoia DP tree. In "auto" mode its size and depth come from measured
@@ -170,6 +180,10 @@ impl Default for DraftConfig {
             health_listen: String::new(),
             metrics_listen: String::new(),
             http_listen: "0.0.0.0:8000".into(),
+            drain_timeout_secs: 30.0,
+            keepalive_secs: 30.0,
+            max_concurrent_streams: 64,
+            refuse_tokens_without_tls: false,
         }
     }
 }

@@ -13,6 +13,7 @@ use sequoia_server::admission::Refused;
 use sequoia_server::{process, security};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -35,18 +36,84 @@ impl Generation for GenerationService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let state = self.state.clone();
         state.metrics.request();
+        let id = request_id();
         let slot = state.admission.try_acquire().map_err(|r| match r {
-            Refused::Draining => {
-                Status::unavailable("draft node is shutting down; retry on another")
-            }
+            Refused::Draining => Status::unavailable(format!(
+                "draft node is shutting down; retry on another (request id {id})"
+            )),
             Refused::Full { active, max } => Status::resource_exhausted(format!(
-                "draft node is busy ({active} of {max} generations running); retry later"
+                "draft node is busy ({active} of {max} generations running); retry later (request id {id})"
             )),
         })?;
-        let prepared = generation::prepare(&state, request.get_ref())?;
-        let chunks = generation::spawn(state, prepared, slot);
-        Ok(Response::new(Box::pin(chunks)))
+        let req = request.into_inner();
+        let st = state.clone();
+        // Templating and tokenization are CPU work in proportion to the prompt: off the async
+        // workers (the slot above bounds how many run at once).
+        let prepared = tokio::task::spawn_blocking(move || generation::prepare(&st, &req))
+            .await
+            .map_err(|e| {
+                tracing::error!(request_id = %id, error = ?e.to_string(), "request preparation failed");
+                Status::internal(format!("internal error (request id {id})"))
+            })?
+            .map_err(|s| {
+                // Validation messages are about the caller's own input: they stay as they are.
+                tracing::info!(request_id = %id, code = ?s.code(), message = ?s.message(), "request refused");
+                Status::new(s.code(), format!("{} (request id {id})", s.message()))
+            })?;
+        let chunks = generation::spawn_with_id(state, prepared, slot, id.clone());
+        let mut response = Response::new(Box::pin(chunks) as Self::GenerateStream);
+        if let Ok(v) = id.parse() {
+            response.metadata_mut().insert(REQUEST_ID, v);
+        }
+        Ok(response)
     }
+}
+
+/// Response metadata carrying the request id (also in every error message), which the
+/// server's log lines for this request carry too.
+pub const REQUEST_ID: &str = "x-request-id";
+
+pub(crate) fn request_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(NEXT.fetch_add(1, Ordering::Relaxed));
+    format!("{:016x}", h.finish())
+}
+
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+/// What a public client sees of a failed generation: the status code, a short reason it can act
+/// on, and the request id. The detail (verify node addresses, engine errors) goes to this
+/// node's log under the same request id.
+pub fn public_status(s: &Status, id: &str) -> Status {
+    use tonic::Code::*;
+    let (code, reason) = match s.code() {
+        Unavailable => (
+            Unavailable,
+            "no verify node could serve this generation right now; retry later",
+        ),
+        ResourceExhausted => (
+            ResourceExhausted,
+            "the verify nodes cannot take this generation now (session or context limits); retry later or ask for fewer tokens",
+        ),
+        FailedPrecondition => (
+            FailedPrecondition,
+            "this deployment's draft and verify nodes are incompatible (tokenizer or protocol version); the operator must fix it",
+        ),
+        DeadlineExceeded => (DeadlineExceeded, "a verify step did not finish in time; retry"),
+        Cancelled => (Cancelled, "the generation was cancelled"),
+        _ => (Internal, "internal error"),
+    };
+    Status::new(
+        code,
+        format!("{reason} (request id {id}; the detail is in the draft-service log)"),
+    )
 }
 
 /// Serve Generation + health + reflection on `listener` until `shutdown` resolves; then refuse
@@ -84,6 +151,12 @@ pub async fn serve_with_http(
     let config = &state.config;
     let tls = security::server_tls(&config.tls_cert, &config.tls_key, &config.tls_client_ca)?;
     let tokens = security::TokenCheck::load(&config.auth_tokens, &config.auth_tokens_file)?;
+    security::tokens_need_tls(
+        tokens.is_enabled(),
+        tls.is_some(),
+        config.refuse_tokens_without_tls,
+        "auth_tokens",
+    )?;
     // The token check guards Generation only: health and reflection stay open for probes.
     let svc = InterceptedService::new(
         GenerationServer::new(GenerationService {
@@ -109,7 +182,10 @@ pub async fn serve_with_http(
         reporter
             .set_not_serving::<GenerationServer<GenerationService>>()
             .await;
-        tracing::info!("shutting down: no new generations, running ones finish");
+        tracing::info!(
+            drain_timeout_secs = drain.config.drain_timeout_secs,
+            "shutting down: no new generations, running ones may finish"
+        );
     };
     tracing::info!(
         addr = %listener.local_addr()?,
@@ -126,7 +202,13 @@ pub async fn serve_with_http(
         "draft-service listening"
     );
     let routes = Routes::new(health).add_service(reflection).add_service(svc);
-    process::serve_grpc(listener, tls, routes, shutdown).await?;
+    let limits = process::GrpcLimits {
+        keepalive: process::secs(config.keepalive_secs),
+        max_concurrent_streams: config.max_concurrent_streams,
+        drain_deadline: process::secs(config.drain_timeout_secs),
+        ..process::GrpcLimits::default()
+    };
+    process::serve_grpc(listener, tls, routes, shutdown, limits).await?;
     // gRPC calls are done; HTTP generations hold admission slots until they end.
     while state.admission.active() > 0 {
         tokio::time::sleep(Duration::from_millis(50)).await;

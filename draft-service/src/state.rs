@@ -114,5 +114,16 @@ fn verify_security(c: &DraftConfig) -> anyhow::Result<ClientSecurity> {
         .context("verify_tls_* settings")?;
     let token =
         BearerToken::new(&c.verify_token, &c.verify_token_file).context("verify_token settings")?;
+    // DNS-discovered nodes are reached over TLS exactly when verify TLS is configured.
+    let plaintext = c
+        .verify
+        .iter()
+        .any(|u| !(u.starts_with("https://") || (u.starts_with("dns:") && tls.is_some())));
+    security::tokens_need_tls(
+        token.is_set(),
+        !plaintext,
+        c.refuse_tokens_without_tls,
+        "verify_token with a plaintext verify URL",
+    )?;
     Ok(ClientSecurity { tls, token })
 }

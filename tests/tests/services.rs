@@ -168,6 +168,7 @@ fn open_msg(prefix: Vec<u32>, temperature: f32) -> SessionRequest {
             }),
             seed: 7,
             max_new_tokens: 16,
+            protocol_version: sequoia_core::limits::PROTOCOL_VERSION,
         })),
     }
 }
@@ -370,7 +371,8 @@ fn mismatched_tokenizers_fail_precondition() {
     assert!(err.message().contains("tokenizer"), "{}", err.message());
 }
 
-/// (e) A verify node that is down, or dies mid-generation, gives UNAVAILABLE naming it — no hang.
+/// (e) A verify node that is down, or dies mid-generation, gives UNAVAILABLE with a request id
+/// (the node's address goes to the draft's log, not to the public client) — no hang.
 #[test]
 fn dead_verify_node_gives_unavailable() {
     let pair = TinyPair::new();
@@ -388,7 +390,9 @@ fn dead_verify_node_gives_unavailable() {
         ))
         .unwrap_err();
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    assert!(err.message().contains(&dead), "{}", err.message());
+    // Public clients get a reason and a request id; the node's address stays in the log.
+    assert!(!err.message().contains(&dead), "{}", err.message());
+    assert!(err.message().contains("request id"), "{}", err.message());
 
     // Killed mid-generation.
     let mut verify = start_verify(verify_config(&pair.target));
@@ -416,7 +420,8 @@ fn dead_verify_node_gives_unavailable() {
         }
     }));
     assert_eq!(err.code(), Code::Unavailable, "{err:?}");
-    assert!(err.message().contains(&url), "{}", err.message());
+    assert!(!err.message().contains(&url), "{}", err.message());
+    assert!(err.message().contains("request id"), "{}", err.message());
 }
 
 /// Bad Generate requests are INVALID_ARGUMENT naming the field.

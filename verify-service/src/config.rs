@@ -45,6 +45,21 @@ pub struct VerifyConfig {
     pub health_listen: String,
     /// Prometheus `/metrics` address, e.g. 0.0.0.0:9090; empty = off.
     pub metrics_listen: String,
+    /// Seconds a new Session stream may wait for its `open` message (it holds no slot
+    /// meanwhile) and an open session for its next tree, before it is ended with
+    /// DEADLINE_EXCEEDED and its slot freed.
+    pub open_timeout_secs: f64,
+    pub idle_timeout_secs: f64,
+    /// Most seconds one `Profile` call may compute before it is cut off (DEADLINE_EXCEEDED).
+    pub profile_timeout_secs: f64,
+    /// HTTP/2 keepalive PING interval (seconds, 0 = off): a peer that stops answering is
+    /// disconnected, ending its streams.
+    pub keepalive_secs: f64,
+    /// Most concurrent streams one connection may open (0 = the HTTP/2 default).
+    pub max_concurrent_streams: u32,
+    /// Refuse to start when bearer tokens are configured without TLS (they would cross the
+    /// network in clear text); false = start with a loud warning.
+    pub refuse_tokens_without_tls: bool,
 }
 
 impl Default for VerifyConfig {
@@ -68,6 +83,12 @@ impl Default for VerifyConfig {
             auth_tokens_file: PathBuf::new(),
             health_listen: String::new(),
             metrics_listen: String::new(),
+            open_timeout_secs: 10.0,
+            idle_timeout_secs: 120.0,
+            profile_timeout_secs: 60.0,
+            keepalive_secs: 30.0,
+            max_concurrent_streams: 64,
+            refuse_tokens_without_tls: false,
         }
     }
 }

@@ -54,7 +54,7 @@ pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
 /// ones, then tell the rest to move.
 async fn drain(state: &VerifyState) {
     let open = state.admission.active();
-    let timeout = std::time::Duration::from_secs_f64(state.config.drain_timeout_secs.max(0.0));
+    let timeout = process::secs(state.config.drain_timeout_secs);
     tracing::info!(
         open,
         ?timeout,
@@ -93,6 +93,12 @@ pub async fn serve(
     let config = &state.config;
     let tls = security::server_tls(&config.tls_cert, &config.tls_key, &config.tls_client_ca)?;
     let tokens = security::TokenCheck::load(&config.auth_tokens, &config.auth_tokens_file)?;
+    security::tokens_need_tls(
+        tokens.is_enabled(),
+        tls.is_some(),
+        config.refuse_tokens_without_tls,
+        "auth_tokens",
+    )?;
     // The token check guards the Verifier only: health and reflection stay open for probes.
     let verifier = InterceptedService::new(
         VerifierServer::new(VerifierService::new(state.clone()))
@@ -125,5 +131,13 @@ pub async fn serve(
     let routes = Routes::new(health)
         .add_service(reflection)
         .add_service(verifier);
-    process::serve_grpc(listener, tls, routes, shutdown).await
+    let limits = process::GrpcLimits {
+        keepalive: process::secs(config.keepalive_secs),
+        max_concurrent_streams: config.max_concurrent_streams,
+        // `drain` above already gave sessions their time and told the rest to move; this only
+        // bounds how long they take to go.
+        drain_deadline: std::time::Duration::from_secs(5),
+        ..process::GrpcLimits::default()
+    };
+    process::serve_grpc(listener, tls, routes, shutdown, limits).await
 }

@@ -3,6 +3,7 @@
 
 use crate::config::VerifyConfig;
 use crate::session::{SessionError, SessionLimits, VerifySession};
+use sequoia_core::limits;
 use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_engine::Model;
 use sequoia_proto::v1::verifier_server::Verifier;
@@ -12,10 +13,11 @@ use sequoia_proto::v1::{
 };
 use sequoia_server::admission::{Admission, Permit, Refused};
 use sequoia_server::metrics::Metrics;
+use sequoia_server::process::secs;
 use sequoia_server::wire;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -71,6 +73,29 @@ fn admit(state: &VerifyState) -> Result<Permit, Status> {
     })
 }
 
+/// Refuse a new stream at once (no slot held) when the node drains or is full.
+fn refuse_early(state: &VerifyState) -> Result<(), Status> {
+    admit(state).map(drop)
+}
+
+fn version_refused(peer: u32) -> Status {
+    Status::failed_precondition(format!(
+        "this verify node speaks protocol versions {}..={}, the draft node {}; upgrade the older side",
+        limits::MIN_PROTOCOL_VERSION,
+        limits::PROTOCOL_VERSION,
+        limits::peer_protocol(peer)
+    ))
+}
+
+/// Sets the flag when dropped: the blocking work of a call sees that its caller went away.
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 #[derive(Clone)]
 pub struct VerifierService {
     state: Arc<VerifyState>,
@@ -104,7 +129,17 @@ async fn run_session(
     mut inbound: Streaming<SessionRequest>,
     tx: &Tx,
 ) -> Result<(), Status> {
-    let Some(first) = inbound.message().await? else {
+    // A stream holds nothing but this task until its `open` arrives, and only for so long.
+    let open_timeout = secs(state.config.open_timeout_secs);
+    let first = match tokio::time::timeout(open_timeout, inbound.message()).await {
+        Err(_) => {
+            return Err(Status::deadline_exceeded(format!(
+                "no `open` message within {open_timeout:?} of the stream's start; the stream was closed"
+            )))
+        }
+        Ok(m) => m?,
+    };
+    let Some(first) = first else {
         return Ok(());
     };
     let Some(session_request::Msg::Open(open)) = first.msg else {
@@ -112,6 +147,12 @@ async fn run_session(
             "the first message of a session must be `open` (prompt tokens, sampling, seed)",
         ));
     };
+    let Some(version) = limits::negotiate_protocol(open.protocol_version, open.protocol_version)
+    else {
+        return Err(version_refused(open.protocol_version));
+    };
+    // The slot is taken only now, so silent streams never count against `max_sessions`.
+    let _slot = admit(&state)?;
     let params = wire::sampling_from_config(open.sampling);
     let (model, limits) = (state.model.clone(), state.limits());
     let prefix = open.prefix_tokens;
@@ -121,9 +162,10 @@ async fn run_session(
             .await?
             .map_err(to_status)?;
     let opened = SessionOpened {
-        context_limit: session.context_limit() as u32,
+        context_limit: u32::try_from(session.context_limit()).unwrap_or(u32::MAX),
         prefill_ms,
         active_sessions: state.admission.active() as u32,
+        protocol_version: version,
     };
     if tx
         .send(Ok(SessionResponse {
@@ -134,10 +176,16 @@ async fn run_session(
     {
         return Ok(()); // client went away
     }
+    let idle = secs(state.config.idle_timeout_secs);
     let mut moving = state.moving.subscribe();
     loop {
         let msg = tokio::select! {
-            msg = inbound.message() => msg?,
+            msg = tokio::time::timeout(idle, inbound.message()) => match msg {
+                Ok(msg) => msg?,
+                Err(_) => return Err(Status::deadline_exceeded(format!(
+                    "no tree for {idle:?}; the idle session was closed to free its slot"
+                ))),
+            },
             _ = moved(&mut moving) => {
                 return Err(Status::unavailable(
                     "verify node is shutting down; the session continues on another node",
@@ -164,7 +212,7 @@ async fn run_session(
         state.metrics.step(
             r.verdict.accepted.len() + 1,
             r.verdict.ranks.iter().copied(),
-            Duration::from_secs_f64(r.verify_ms / 1e3),
+            secs(r.verify_ms / 1e3),
         );
         let verdict = wire::verdict_message(r.step, &r.verdict, r.verify_ms);
         if tx
@@ -196,19 +244,19 @@ impl Verifier for VerifierService {
         request: Request<Streaming<SessionRequest>>,
     ) -> Result<Response<Self::SessionStream>, Status> {
         self.state.metrics.request();
-        let slot = admit(&self.state)?;
+        // Refuse at once when no slot could be had; the slot itself is taken at `open`.
+        refuse_early(&self.state)?;
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(4);
         let state = self.state.clone();
         let id = state.next_session.fetch_add(1, Ordering::Relaxed);
         tokio::spawn(
             async move {
-                let _slot = slot;
                 let t0 = Instant::now();
                 match run_session(state, inbound, &tx).await {
                     Ok(()) => info!(elapsed_ms = t0.elapsed().as_millis() as u64, "session closed"),
                     Err(status) => {
-                        warn!(code = ?status.code(), message = status.message(), "session ended with error");
+                        warn!(code = ?status.code(), message = ?status.message(), "session ended with error");
                         let _ = tx.send(Err(status)).await;
                     }
                 }
@@ -232,12 +280,14 @@ impl Verifier for VerifierService {
             max_sessions: s.config.max_sessions as u32,
             max_tree_nodes: s.config.max_tree_nodes as u32,
             draining: s.admission.is_draining(),
+            protocol_version: limits::PROTOCOL_VERSION,
+            min_protocol_version: limits::MIN_PROTOCOL_VERSION,
         }))
     }
 
     async fn ping(&self, request: Request<PingRequest>) -> Result<Response<PingResponse>, Status> {
         let n = request.into_inner().reply_bytes as usize;
-        if n > 8 << 20 {
+        if n > limits::MAX_PING_BYTES {
             return Err(Status::invalid_argument(format!(
                 "reply_bytes: {n} exceeds 8 MiB"
             )));
@@ -254,6 +304,13 @@ impl Verifier for VerifierService {
         let req = request.into_inner();
         let s = &self.state;
         let max_ctx = s.config.max_context.min(s.model.info().max_context);
+        if req.tree_sizes.len() > limits::MAX_PROFILE_SIZES {
+            return Err(Status::invalid_argument(format!(
+                "tree_sizes: {} sizes exceed the limit of {}",
+                req.tree_sizes.len(),
+                limits::MAX_PROFILE_SIZES
+            )));
+        }
         if req.tree_sizes.is_empty() {
             return Err(Status::invalid_argument(
                 "tree_sizes: give at least one size, e.g. [1, 2, 4, 8, 16]",
@@ -269,22 +326,34 @@ impl Verifier for VerifierService {
                 s.config.max_tree_nodes
             )));
         }
-        let largest = *req.tree_sizes.iter().max().unwrap() as usize;
+        let largest = req.tree_sizes.iter().copied().max().unwrap_or(1) as usize;
         let ctx = req.context_length as usize;
         if ctx + largest > max_ctx {
             return Err(Status::invalid_argument(format!(
                 "context_length: {ctx} + tree size {largest} exceeds the context limit {max_ctx}"
             )));
         }
-        let repeats = req.repeats.clamp(1, 20) as usize;
+        let repeats = req.repeats.clamp(1, limits::MAX_PROFILE_REPEATS) as usize;
         let _slot = admit(&self.state)?;
         let model = s.model.clone();
         let sizes = req.tree_sizes.clone();
+        // The work stops between forwards once the caller goes away (this future is dropped)
+        // or the deadline passes, so a Profile never outlives its slot by more than one forward.
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let _cancel = CancelOnDrop(cancelled.clone());
+        let budget = secs(s.config.profile_timeout_secs);
+        let deadline = Instant::now() + budget;
         let times = blocking(move || {
-            sequoia_engine::profiling::measure_verify(&model, &sizes, ctx, repeats)
+            let go_on = || !cancelled.load(Ordering::Relaxed) && Instant::now() < deadline;
+            sequoia_engine::profiling::measure_verify_while(&model, &sizes, ctx, repeats, &go_on)
         })
         .await?
-        .map_err(|e| Status::internal(e.to_string()))?;
+        .map_err(|e| Status::internal(e.to_string()))?
+        .ok_or_else(|| {
+            Status::deadline_exceeded(format!(
+                "profiling took longer than this node allows ({budget:?}); ask for fewer tree_sizes or repeats"
+            ))
+        })?;
         Ok(Response::new(ProfileResponse {
             tree_sizes: req.tree_sizes,
             forward_ms: times,

@@ -6,7 +6,7 @@
 
 use crate::nodes::{unavailable, Reservation, VerifyNode};
 use crate::state::DraftState;
-use sequoia_core::limits::MAX_FAILOVERS;
+use sequoia_core::limits::{negotiate_protocol, MAX_FAILOVERS, PROTOCOL_VERSION};
 use sequoia_proto::v1::{
     session_request, session_response, OpenSession, SamplingConfig, SessionOpened, SessionRequest,
     SessionResponse, Verdict, VerifyTree,
@@ -40,7 +40,8 @@ impl VerifyLink {
             prefix_tokens: prefix,
             sampling: Some(sampling),
             seed,
-            max_new_tokens: max_new_tokens as u32,
+            max_new_tokens: u32::try_from(max_new_tokens).unwrap_or(u32::MAX),
+            protocol_version: PROTOCOL_VERSION,
         };
         let link = open_anywhere(state, &open, &mut Vec::new()).await?;
         let context_limit = link.opened.context_limit as usize;
@@ -83,7 +84,8 @@ impl VerifyLink {
         let timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
         loop {
             let t_rt = Instant::now();
-            match self.link.verify(message(), timeout).await {
+            let vocab = state.model.info().vocab_size;
+            match self.link.verify(message(), timeout, vocab).await {
                 Ok(v) => return Ok((v, t_rt.elapsed())),
                 Err(e) if e.code() == Code::Unavailable && self.failovers < MAX_FAILOVERS => {
                     self.move_session(state, &e, &committed(), remaining)
@@ -106,12 +108,13 @@ impl VerifyLink {
         state.metrics.failover();
         self.link.node().mark_unreachable();
         let lost = self.addr().to_string();
-        tracing::warn!(node = %lost, error = error.message(), failovers = self.failovers, "verify node lost mid-generation; moving the session");
+        tracing::warn!(node = %lost, error = ?error.message(), failovers = self.failovers, "verify node lost mid-generation; moving the session");
         let moved = OpenSession {
             prefix_tokens: committed[..committed.len().saturating_sub(1)].to_vec(),
             sampling: Some(self.sampling),
             seed: moved_seed(self.seed, self.failovers),
-            max_new_tokens: remaining as u32,
+            max_new_tokens: u32::try_from(remaining).unwrap_or(u32::MAX),
+            protocol_version: PROTOCOL_VERSION,
         };
         self.link = open_anywhere(state, &moved, &mut vec![lost.clone()])
             .await
@@ -186,9 +189,7 @@ impl Link {
         let Some(session_response::Msg::Opened(opened)) =
             next_response(&mut inbound, &addr, timeout).await?
         else {
-            return Err(Status::internal(format!(
-                "verify node {addr} answered `open` with something else"
-            )));
+            return Err(bad_node(&addr, "answered `open` with something else"));
         };
         node.set_reported(opened.active_sessions as usize);
         Ok(Link {
@@ -205,10 +206,12 @@ impl Link {
         &mut self,
         mut tree: VerifyTree,
         timeout: Duration,
+        vocab: usize,
     ) -> Result<Verdict, Status> {
         let step = self.next_step;
         tree.step = step;
         let addr = self.addr().to_string();
+        let parents = tree.parents.clone();
         self.req_tx
             .send(SessionRequest {
                 msg: Some(session_request::Msg::Tree(tree)),
@@ -218,16 +221,16 @@ impl Link {
         let Some(session_response::Msg::Verdict(verdict)) =
             next_response(&mut self.inbound, &addr, timeout).await?
         else {
-            return Err(Status::internal(format!(
-                "verify node {addr} answered a tree with something else"
-            )));
+            return Err(bad_node(&addr, "answered a tree with something else"));
         };
         if verdict.step != step {
-            return Err(Status::internal(format!(
-                "verify node {addr} answered step {} for step {step}",
-                verdict.step
-            )));
+            return Err(bad_node(
+                &addr,
+                &format!("answered step {} for step {step}", verdict.step),
+            ));
         }
+        sequoia_server::wire::check_verdict(&verdict, &parents, vocab)
+            .map_err(|e| bad_node(&addr, &e))?;
         self.next_step += 1;
         Ok(verdict)
     }
@@ -263,13 +266,27 @@ async fn open_anywhere(
                 short(state.tokenizer.fingerprint())
             )));
         }
+        if negotiate_protocol(info.min_protocol_version, info.protocol_version).is_none() {
+            // During a rolling upgrade other nodes may still speak our version: try them.
+            let e = Status::failed_precondition(format!(
+                "verify node {} speaks protocol versions {}..={}, this draft node {}..={}; upgrade the older side",
+                node.addr,
+                info.min_protocol_version.max(1),
+                info.protocol_version.max(1),
+                sequoia_core::limits::MIN_PROTOCOL_VERSION,
+                PROTOCOL_VERSION
+            ));
+            tracing::warn!(node = %node.addr, error = ?e.message(), "verify node speaks no common protocol version; trying another");
+            last_err = Some(e);
+            continue;
+        }
         match Link::open(reservation, open.clone(), timeout).await {
             Ok(link) => return Ok(link),
             Err(e) if try_elsewhere(&e) => {
                 if e.code() == Code::Unavailable {
                     node.mark_unreachable();
                 }
-                tracing::warn!(node = %node.addr, error = e.message(), "verify node did not take the session; trying another");
+                tracing::warn!(node = %node.addr, error = ?e.message(), "verify node did not take the session; trying another");
                 last_err = Some(e);
             }
             Err(e) => return Err(e),
@@ -283,8 +300,18 @@ async fn open_anywhere(
     }))
 }
 
+/// The first 12 characters of a fingerprint (it comes from the network: may be any UTF-8).
 fn short(s: &str) -> &str {
-    &s[..s.len().min(12)]
+    let end = s.char_indices().nth(12).map_or(s.len(), |(i, _)| i);
+    &s[..end]
+}
+
+/// A verify node that broke the protocol: treated as lost (UNAVAILABLE), so the session moves
+/// to another node rather than trusting anything else it says.
+fn bad_node(addr: &str, what: &str) -> Status {
+    Status::unavailable(format!(
+        "verify node {addr} broke the protocol ({what}); treating it as lost"
+    ))
 }
 
 /// Seed of the verify side's random stream after the k-th move, so a moved session never

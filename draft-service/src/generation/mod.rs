@@ -48,14 +48,36 @@ pub type Chunks = ReceiverStream<Result<GenerateChunk, Status>>;
 /// returned stream (the client went away) stops the generation at its next step, which closes
 /// the verify session and frees the slot.
 pub fn spawn(state: Arc<DraftState>, prep: Prepared, slot: Permit) -> Chunks {
+    spawn_with_id(state, prep, slot, crate::service::request_id())
+}
+
+/// [`spawn`] under a request id the caller already gave the client. Errors reach the client in
+/// their public form (code, short reason, request id); the detail goes to the log.
+pub fn spawn_with_id(state: Arc<DraftState>, prep: Prepared, slot: Permit, id: String) -> Chunks {
+    use futures::FutureExt;
     let (tx, rx) = mpsc::channel(16);
-    tokio::spawn(async move {
-        let _slot = slot;
-        if let Err(status) = run(state, prep, &tx).await {
-            tracing::warn!(code = ?status.code(), message = status.message(), "generation failed");
-            let _ = tx.send(Err(status)).await;
+    let span = info_span!("request", id = %id);
+    tokio::spawn(
+        async move {
+            let _slot = slot;
+            // A panic must still end the client's stream with an error, never with a plain end
+            // of stream that looks like success without a summary.
+            let run = std::panic::AssertUnwindSafe(run(state, prep, &tx));
+            let status = match run.catch_unwind().await {
+                Ok(Ok(())) => return,
+                Ok(Err(status)) => status,
+                Err(panic) => Status::internal(format!(
+                    "generation panicked: {}",
+                    crate::service::panic_text(&*panic)
+                )),
+            };
+            tracing::warn!(request_id = %id, code = ?status.code(), detail = ?status.message(), "generation failed");
+            let _ = tx
+                .send(Err(crate::service::public_status(&status, &id)))
+                .await;
         }
-    });
+        .instrument(span),
+    );
     ReceiverStream::new(rx)
 }
 
@@ -177,7 +199,15 @@ impl<'a> Generation<'a> {
                 .map(|d| d.with_head_vocab(&model, head_vocab))
         });
         let sampling = wire::sampling_config(&prep.params);
-        let link = VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await?;
+        let link = match VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await {
+            Ok(link) => link,
+            Err(e) => {
+                // The prefill cannot be stopped midway: wait for it, so this generation's slot
+                // stays taken (the work stays counted) until the CPU is free again.
+                let _ = draft_prefill.await;
+                return Err(e);
+            }
+        };
         tracing::Span::current().record("node", link.addr());
         let draft = draft_prefill
             .await

@@ -30,6 +30,26 @@ pub fn prepare(state: &DraftState, req: &GenerateRequest) -> Result<Prepared, St
             "give exactly one of `prompt` (text) or `messages` (chat)".into(),
         ));
     }
+    // Sizes first: everything below (templating, tokenization) costs CPU in proportion.
+    let prompt_bytes = req.prompt.len()
+        + req
+            .messages
+            .iter()
+            .map(|m| m.content.len() + m.role.len())
+            .sum::<usize>();
+    if prompt_bytes > limits::MAX_PROMPT_BYTES {
+        return Err(invalid(format!(
+            "prompt: {prompt_bytes} bytes exceed the limit of {} (prompt and messages together)",
+            limits::MAX_PROMPT_BYTES
+        )));
+    }
+    if req.messages.len() > limits::MAX_CHAT_MESSAGES {
+        return Err(invalid(format!(
+            "messages: {} messages exceed the limit of {}",
+            req.messages.len(),
+            limits::MAX_CHAT_MESSAGES
+        )));
+    }
     if !req.temperature.is_finite() || req.temperature < 0.0 {
         return Err(invalid(format!(
             "temperature must be finite and ≥ 0, got {}",

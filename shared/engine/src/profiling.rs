@@ -22,6 +22,21 @@ pub fn measure_forward(
     shape: impl Fn(usize) -> Tree,
     head_vocab: usize,
 ) -> Result<Vec<f64>, EngineError> {
+    let all = measure_forward_while(model, sizes, context, repeats, shape, head_vocab, &|| true)?;
+    Ok(all.unwrap_or_default()) // `go_on` never says no here
+}
+
+/// [`measure_forward`] that asks `go_on` before every forward and returns `None` as soon as it
+/// says no (the caller went away or ran out of time), so a long profile can be stopped.
+pub fn measure_forward_while(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+    shape: impl Fn(usize) -> Tree,
+    head_vocab: usize,
+    go_on: &dyn Fn() -> bool,
+) -> Result<Option<Vec<f64>>, EngineError> {
     let vocab = model.info().vocab_size as u32;
     let mut cache = model.new_cache();
     // Deterministic filler tokens spread over the vocabulary.
@@ -43,6 +58,9 @@ pub fn measure_forward(
         let rows: Vec<usize> = (0..tree.len()).collect();
         let mut times = Vec::with_capacity(repeats);
         for _ in 0..repeats.max(1) {
+            if !go_on() {
+                return Ok(None);
+            }
             let t0 = Instant::now();
             model.forward_tree_extend(&mut cache, &tokens, &tree, 0, &rows, head_vocab)?;
             times.push(t0.elapsed().as_secs_f64() * 1e3);
@@ -51,7 +69,7 @@ pub fn measure_forward(
         times.sort_by(f64::total_cmp);
         out.push(times[times.len() / 2]);
     }
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// t_v(n): Sequoia-shaped trees, as the target will see them.
@@ -66,6 +84,29 @@ pub fn measure_verify(
         .expect("the example vector is valid");
     let vocab = model.info().vocab_size;
     measure_forward(model, sizes, context, repeats, |n| dp.tree(n, 16), vocab)
+}
+
+/// [`measure_verify`] that stops (returning `None`) once `go_on` says no.
+pub fn measure_verify_while(
+    model: &Model,
+    sizes: &[u32],
+    context: usize,
+    repeats: usize,
+    go_on: &dyn Fn() -> bool,
+) -> Result<Option<Vec<f64>>, EngineError> {
+    let largest = sizes.iter().copied().max().unwrap_or(1) as usize;
+    let dp = SequoiaDp::solve(&EXAMPLE_ACCEPTANCE, largest.max(1), 16)
+        .expect("the example vector is valid");
+    let vocab = model.info().vocab_size;
+    measure_forward_while(
+        model,
+        sizes,
+        context,
+        repeats,
+        |n| dp.tree(n, 16),
+        vocab,
+        go_on,
+    )
 }
 
 /// t_d(w): one level of w siblings (a star of w − 1 children under a root stands in for it),

@@ -343,6 +343,31 @@ impl Interceptor for TokenCheck {
     }
 }
 
+/// Bearer tokens over plaintext gRPC can be read by anyone on the path. When `tokens` are in
+/// use and `tls` is off, log a loud warning, or refuse (`refuse`, the config key
+/// `refuse_tokens_without_tls`). `what` says which tokens, for the message.
+pub fn tokens_need_tls(
+    tokens: bool,
+    tls: bool,
+    refuse: bool,
+    what: &str,
+) -> Result<(), SecurityError> {
+    if !tokens || tls {
+        return Ok(());
+    }
+    let m = format!(
+        "{what} are configured without TLS: every token crosses the network in clear text; \
+         configure TLS, or keep this to a trusted network"
+    );
+    if refuse {
+        return Err(SecurityError::Invalid(format!(
+            "{m} (refuse_tokens_without_tls is set, so the service does not start)"
+        )));
+    }
+    tracing::warn!("INSECURE: {m} (set refuse_tokens_without_tls = true to refuse)");
+    Ok(())
+}
+
 /// Kubernetes' gRPC probes speak plaintext and present no client certificate or token, so a
 /// TLS or mutual-TLS service port cannot answer them. This serves `routes` (meant: the
 /// grpc.health.v1 service alone) in plaintext on `listen` (empty = off) in a background task
@@ -437,6 +462,15 @@ mod tests {
         assert!(!BearerToken::new("", Path::new("")).unwrap().is_set());
         assert!(BearerToken::new("has space", Path::new("")).is_ok());
         assert!(BearerToken::new("bad\ntoken", Path::new("")).is_err());
+    }
+
+    #[test]
+    fn tokens_without_tls_warn_or_refuse() {
+        assert!(tokens_need_tls(true, false, false, "auth_tokens").is_ok());
+        let e = tokens_need_tls(true, false, true, "auth_tokens").unwrap_err();
+        assert!(e.to_string().contains("clear text"), "{e}");
+        assert!(tokens_need_tls(true, true, true, "auth_tokens").is_ok());
+        assert!(tokens_need_tls(false, false, true, "auth_tokens").is_ok());
     }
 
     #[test]

@@ -67,6 +67,52 @@ pub fn verdict_message(step: u64, v: &Verdict, verify_ms: f64) -> pb::Verdict {
     }
 }
 
+/// Check a verdict against the tree it answers, before anything else reads it: the accepted
+/// nodes are a root-to-leaf path of the tree, one rank per accepted node, each rank at most the
+/// number of siblings, the next token in the vocabulary, and the reported time a finite
+/// number of milliseconds ≥ 0.
+pub fn check_verdict(v: &pb::Verdict, parents: &[i32], vocab: usize) -> Result<(), String> {
+    let mut prev = 0usize;
+    for (k, &node) in v.accepted_nodes.iter().enumerate() {
+        let i = node as usize;
+        let parent = parents.get(i).copied();
+        if i == 0 || parent != Some(prev as i32) {
+            return Err(format!(
+                "accepted_nodes[{k}] = {node} is not a child of node {prev} in a tree of {} nodes",
+                parents.len()
+            ));
+        }
+        prev = i;
+    }
+    if v.accepted_ranks.len() != v.accepted_nodes.len() {
+        return Err(format!(
+            "{} accepted_ranks for {} accepted_nodes",
+            v.accepted_ranks.len(),
+            v.accepted_nodes.len()
+        ));
+    }
+    if let Some(&r) = v
+        .accepted_ranks
+        .iter()
+        .find(|&&r| r == 0 || r as usize > parents.len())
+    {
+        return Err(format!(
+            "accepted rank {r} is impossible in a tree of {} nodes",
+            parents.len()
+        ));
+    }
+    if v.next_token as usize >= vocab {
+        return Err(format!(
+            "next_token {} is outside the vocabulary (size {vocab})",
+            v.next_token
+        ));
+    }
+    if !v.verify_ms.is_finite() || v.verify_ms < 0.0 {
+        return Err(format!("verify_ms = {} is not a time", v.verify_ms));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
