@@ -232,6 +232,8 @@ impl Verifier for VerifierService {
             max_sessions: s.config.max_sessions as u32,
             max_tree_nodes: s.config.max_tree_nodes as u32,
             draining: s.admission.is_draining(),
+            device: mi.device.clone(),
+            batch_invariant: mi.batch_invariant,
         }))
     }
 
