@@ -172,6 +172,8 @@ pub struct Divergence {
     pub tree: u32,
     /// Sequential logit of its own choice minus that of the tree's choice: how near the tie.
     pub gap: f32,
+    /// `gap` relative to the largest logit magnitude of that row (at least 1).
+    pub rel_gap: f32,
 }
 
 /// Greedy-decode `steps` tokens one at a time, then verify them as one chain tree (what
@@ -199,11 +201,14 @@ pub fn greedy_divergences(model: &Model, salt: u64, steps: usize) -> Vec<Diverge
     for i in 0..steps {
         let (s, t) = (argmax(&seq_logits[i]), argmax(rows.row(i)));
         if s != t {
+            let gap = seq_logits[i][s] - seq_logits[i][t];
+            let scale = seq_logits[i].iter().fold(1.0f32, |m, x| m.max(x.abs()));
             out.push(Divergence {
                 step: i + 1,
                 sequential: s as u32,
                 tree: t as u32,
-                gap: seq_logits[i][s] - seq_logits[i][t],
+                gap,
+                rel_gap: gap / scale,
             });
         }
     }
