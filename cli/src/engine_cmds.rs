@@ -43,6 +43,30 @@ fn load_model(arg: &str, threads: Option<usize>, cuda: bool, max_context: usize)
     Model::load(&path, &opts).with_context(|| format!("loading {}", path.display()))
 }
 
+/// `--random-weights SHAPE` / `--random-format F`: a model of a real architecture's shape with
+/// random weights, made in memory (no download), for cost measurements on machines without
+/// network access.
+pub fn load_random(
+    shape: &str,
+    format: &str,
+    threads: Option<usize>,
+    cuda: bool,
+    max_context: usize,
+) -> Result<Model> {
+    use sequoia_engine::random::RandomSpec;
+    let spec = RandomSpec {
+        quant: format.parse()?,
+        ..RandomSpec::named(shape)?
+    };
+    let opts = LoadOptions {
+        threads,
+        cuda,
+        max_context,
+    };
+    Model::random(&spec, &opts, sequoia_engine::Kernels::Native)
+        .with_context(|| format!("random weights of shape {shape}"))
+}
+
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
 }
@@ -231,8 +255,17 @@ pub enum BenchTree {
 #[derive(clap::Args, Debug, Clone)]
 pub struct EngineBenchArgs {
     /// GGUF file, Hugging Face folder, or a default model name (e.g. qwen2.5-coder-1.5b).
-    #[arg(long, required_unless_present = "kernels", default_value = "")]
+    #[arg(long, required_unless_present_any = ["kernels", "random_weights"], default_value = "")]
     pub model: String,
+    /// Instead of --model: random weights of a real architecture's shape, made in memory (no
+    /// download): qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b (real layer counts,
+    /// widths, heads, KV heads, vocabulary), or tiny.
+    #[arg(long, conflicts_with = "model")]
+    pub random_weights: Option<String>,
+    /// Weight format of --random-weights: q4_k_m (llama.cpp's Q4_K_M mix: Q4_K, Q6_K, with
+    /// Q5_0/Q8_0 where rows are not a multiple of 256) or q8_0.
+    #[arg(long, default_value = "q4_k_m")]
+    pub random_format: String,
     /// Instead of a model: each matmul kernel on each ISA path this CPU has, single-threaded,
     /// in G MAC/s and GB/s and as a share of this machine's peaks (measured first: read
     /// bandwidth and an int8 dot-product peak loop per ISA).
@@ -279,6 +312,10 @@ struct BenchReport {
     model: String,
     weights: String,
     device: String,
+    /// Tree rows bit-identical to sequential decoding (see `ModelInfo::batch_invariant`).
+    batch_invariant: bool,
+    /// The hidden/layer shape when the weights were random (`--random-weights`).
+    random_weights: Option<String>,
     threads: usize,
     context: usize,
     load_ms: f64,
@@ -324,18 +361,29 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
     let max_n = args.sizes.iter().copied().max().unwrap_or(1);
     let needed = args.context + max_n.max(args.decode_tokens) + 1;
     let t0 = Instant::now();
-    let model = load_model(&args.model, args.threads, args.cuda, needed.max(4096))?;
+    let model = match &args.random_weights {
+        Some(shape) => load_random(
+            shape,
+            &args.random_format,
+            args.threads,
+            args.cuda,
+            needed.max(4096),
+        )?,
+        None => load_model(&args.model, args.threads, args.cuda, needed.max(4096))?,
+    };
     let load_ms = ms(t0);
     let info = model.info().clone();
     let vocab = info.vocab_size;
     let (repack, repacked_bytes) = kernels::repack_stats();
     if !args.json {
         eprintln!(
-            "{} ({}, {} layers, {}), {} threads, loaded in {:.1} s ({:.1} s of it repacking {:.0} MB of weights for the kernels)",
+            "{} ({}, {} layers, {}, on {}{}), {} threads, loaded in {:.1} s ({:.1} s of it repacking {:.0} MB of weights for the kernels)",
             info.name,
             info.architecture,
             info.n_layers,
             info.weights,
+            info.device,
+            if info.batch_invariant { ", batch-invariant" } else { "" },
             rayon_threads(),
             load_ms / 1e3,
             repack.as_secs_f64(),
@@ -406,6 +454,8 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
         model: info.name.clone(),
         weights: info.weights.clone(),
         device: info.device.clone(),
+        batch_invariant: info.batch_invariant,
+        random_weights: args.random_weights.clone(),
         threads: rayon_threads(),
         context: base,
         load_ms,

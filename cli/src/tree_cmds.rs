@@ -171,6 +171,17 @@ pub struct ProfileArgs {
     /// Tokens the draft's LM head scores (draft-service's `draft_vocab`; 0 = all).
     #[arg(long, default_value_t = 0)]
     pub draft_vocab: usize,
+    /// --draft and --target name shapes (qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-7b, qwen2.5-14b;
+    /// the default Coder names are the same shapes) with random weights made in memory: no
+    /// download, for machines without network access. Costs depend on shapes, not values.
+    #[arg(long)]
+    pub random_weights: bool,
+    /// Weight format with --random-weights: q4_k_m or q8_0.
+    #[arg(long, default_value = "q4_k_m")]
+    pub random_format: String,
+    /// Run both models on the first CUDA device.
+    #[arg(long)]
+    pub cuda: bool,
     /// Write the profile JSON here (printed to stdout too).
     #[arg(long)]
     pub out: Option<PathBuf>,
@@ -183,25 +194,43 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
     use sequoia_engine::{LoadOptions, Model};
     let opts = LoadOptions {
         threads: args.threads,
+        cuda: args.cuda,
         ..LoadOptions::default()
     };
+    // Past the default sizes (up to 32) for accelerators, where large trees cost little more.
     let sizes: Vec<u32> = DEFAULT_SIZES
         .iter()
         .copied()
+        .chain([48, 64, 96, 128, 192, 256])
         .filter(|&n| n <= args.max_nodes)
         .collect();
-    let target_path = crate::engine_cmds::resolve_model(&args.target)?;
-    let draft_path = crate::engine_cmds::resolve_model(&args.draft)?;
+    let load = |name: &str| -> Result<(Model, String)> {
+        if args.random_weights {
+            let m = crate::engine_cmds::load_random(
+                name,
+                &args.random_format,
+                args.threads,
+                args.cuda,
+                opts.max_context,
+            )?;
+            Ok((m, format!("random {name} ({})", args.random_format)))
+        } else {
+            let path = crate::engine_cmds::resolve_model(name)?;
+            let m = Model::load(&path, &opts)?;
+            Ok((m, path.display().to_string()))
+        }
+    };
     eprintln!(
         "measuring target t_v(n) for n in {sizes:?} at context {}",
         args.context
     );
-    let target = Model::load(&target_path, &opts)?;
+    let (target, target_name) = load(&args.target)?;
+    let device = target.info().device.clone();
     let tv = measure_verify(&target, &sizes, args.context, args.repeats)?;
     drop(target);
     let widths: Vec<u32> = sizes.iter().copied().filter(|&w| w <= 16).collect();
     eprintln!("measuring draft t_d(w) for w in {widths:?}");
-    let draft = Model::load(&draft_path, &opts)?;
+    let (draft, draft_name) = load(&args.draft)?;
     let vocab = draft.info().vocab_size;
     let head = match args.draft_vocab {
         0 => vocab,
@@ -218,9 +247,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
         overhead_ms: 0.5,
         context: args.context,
         note: format!(
-            "target {}, draft {}, threads {}",
-            target_path.display(),
-            draft_path.display(),
+            "target {target_name}, draft {draft_name}, on {device}, threads {}",
             sequoia_engine::current_threads()
         ),
     };

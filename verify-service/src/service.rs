@@ -282,6 +282,8 @@ impl Verifier for VerifierService {
             draining: s.admission.is_draining(),
             protocol_version: limits::PROTOCOL_VERSION,
             min_protocol_version: limits::MIN_PROTOCOL_VERSION,
+            device: mi.device.clone(),
+            batch_invariant: mi.batch_invariant,
         }))
     }
 

@@ -54,6 +54,7 @@ pub mod model;
 pub mod profiling;
 mod qkernels;
 mod qmatmul;
+pub mod random;
 pub mod roofline;
 pub mod testing;
 pub mod tokenizer;
@@ -62,7 +63,7 @@ mod weights;
 use std::sync::OnceLock;
 
 pub use cache::KvCache;
-pub use model::{Model, ModelInfo};
+pub use model::{Kernels, Model, ModelInfo};
 
 /// The CPU quantized-matmul kernels as a benchmark sees them (`sequoia engine-bench --kernels`):
 /// the ISA paths, one timed kernel by format name, and the load-time repack cost.

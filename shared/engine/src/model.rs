@@ -52,6 +52,25 @@ pub struct ModelInfo {
     pub weights: String,
     /// "cpu" or "cuda".
     pub device: String,
+    /// A node's logits are bit-identical whatever else shares its forward pass, so a tree
+    /// forward reproduces sequential decoding exactly and greedy speculative decoding returns
+    /// exactly the target's greedy tokens. True for quantized weights on our CPU kernels. False
+    /// on a GPU (candle's CUDA matmul switches kernels with the batch size, and cuBLAS blocking
+    /// depends on the shape) and for dense weights on the CPU: logits then agree up to rounding,
+    /// and where two tokens are within rounding of each other (a near-tie) greedy decoding can
+    /// take either. The output is still a valid greedy decoding of the target's distribution.
+    pub batch_invariant: bool,
+}
+
+/// Which matmul and attention kernels a model on the CPU uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Kernels {
+    /// Our batch-invariant CPU kernels on the CPU; candle's (the only choice) on a GPU.
+    #[default]
+    Native,
+    /// candle's quantized matmul and candle-op attention on every device: the code path a GPU
+    /// runs, so tests can exercise it on a machine without one.
+    Portable,
 }
 
 #[derive(Debug, Clone)]
@@ -91,6 +110,8 @@ struct Step<'a> {
     mask_data: Option<&'a [f32]>,
     /// Cache entries before the new tokens.
     prefix: usize,
+    /// Use the CPU attention kernel (else candle ops, as on a GPU).
+    cpu_attention: bool,
 }
 
 fn project(lin: &Linear, bias: &Option<Tensor>, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -125,7 +146,7 @@ impl Attention {
         let v = v.transpose(0, 1)?.contiguous()?;
         kv.k.slice_set(&k, 1, step.prefix)?;
         kv.v.slice_set(&v, 1, step.prefix)?;
-        if x.device().is_cpu() && q.dtype() == DType::F32 {
+        if step.cpu_attention {
             // Same arithmetic for a node whatever the tree size: see engine/attention.rs.
             let q = q.squeeze(0)?.contiguous()?; // (n, h, d)
             let dims = super::attention::Dims {
@@ -206,17 +227,49 @@ pub struct Model {
     sin: Tensor,
     device: Device,
     dtype: DType,
+    /// Attention through our CPU kernel (CPU, f32, native kernels).
+    cpu_attention: bool,
 }
 
 impl Model {
     /// Load a `.gguf` file or a Hugging Face folder (config.json + *.safetensors).
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model, EngineError> {
+        Self::load_with(path, opts, Kernels::Native)
+    }
+
+    /// [`load`](Self::load) with a choice of CPU kernels.
+    pub fn load_with(
+        path: &Path,
+        opts: &LoadOptions,
+        kernels: Kernels,
+    ) -> Result<Model, EngineError> {
         if let Some(t) = opts.threads {
             init_threads(t);
         }
         let device = super::device(opts.cuda)?;
+        let ld = Loader::open(path, &device)?;
+        Self::build(ld, opts, kernels)
+    }
+
+    /// Random weights of a real model's shape, made in memory (no download): for measuring
+    /// forward costs where no checkpoint is at hand. See [`crate::random`].
+    pub fn random(
+        spec: &crate::random::RandomSpec,
+        opts: &LoadOptions,
+        kernels: Kernels,
+    ) -> Result<Model, EngineError> {
+        if let Some(t) = opts.threads {
+            init_threads(t);
+        }
+        let device = super::device(opts.cuda)?;
+        let ld = Loader::random(spec, &device)?;
+        Self::build(ld, opts, kernels)
+    }
+
+    fn build(mut ld: Loader, opts: &LoadOptions, kernels: Kernels) -> Result<Model, EngineError> {
+        ld.portable = kernels == Kernels::Portable;
+        let device = ld.device.clone();
         let repacked_before = super::qmatmul::repack_stats();
-        let mut ld = Loader::open(path, &device)?;
         let hp = ld.hp.clone();
         let max_context = opts.max_context.min(hp.context_length).max(1);
 
@@ -266,6 +319,16 @@ impl Model {
         };
         let vocab_size = lm_head.out_features()?;
         let (cos, sin) = rope_tables(&hp, max_context, ld.dtype, &device)?;
+        let cpu_attention = device.is_cpu() && ld.dtype == DType::F32 && !ld.portable;
+        let cpu_quant = |l: &Linear| matches!(l, Linear::CpuQuant(_));
+        let batch_invariant = cpu_attention
+            && cpu_quant(&lm_head)
+            && blocks.iter().all(|b| {
+                [&b.attn.wq, &b.attn.wk, &b.attn.wv, &b.attn.wo]
+                    .into_iter()
+                    .chain([&b.mlp.gate, &b.mlp.up, &b.mlp.down])
+                    .all(cpu_quant)
+            });
         let info = ModelInfo {
             name: hp.name.clone(),
             architecture: hp.arch.as_str().to_string(),
@@ -280,6 +343,7 @@ impl Model {
             head_dim: hp.head_dim,
             weights: hp.weights.clone(),
             device: if device.is_cpu() { "cpu" } else { "cuda" }.to_string(),
+            batch_invariant,
         };
         let repacked = super::qmatmul::repack_stats();
         tracing::info!(
@@ -298,6 +362,7 @@ impl Model {
             sin,
             dtype: ld.dtype,
             device,
+            cpu_attention,
         })
     }
 
@@ -546,7 +611,7 @@ impl Model {
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
         // The CPU attention kernel reads the raw mask; only the candle path needs a tensor.
-        let cpu_attention = dev.is_cpu() && self.dtype == DType::F32;
+        let cpu_attention = self.cpu_attention;
         let mask_t = match &mask {
             Some(m) if !cpu_attention => {
                 Some(Tensor::from_slice(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?)
@@ -559,6 +624,7 @@ impl Model {
             mask: mask_t.as_ref(),
             mask_data: mask.as_deref(),
             prefix,
+            cpu_attention,
         };
         let mut x = self.embed.forward(tokens, dev)?.to_dtype(self.dtype)?;
         for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {

@@ -22,6 +22,7 @@ use serde_json::Value;
 
 use super::layers::{Embedding, Linear};
 use super::qmatmul;
+use super::random::RandomSpec;
 use super::EngineError;
 
 /// The decoder families this engine implements.
@@ -164,6 +165,8 @@ pub(crate) struct Loader {
     pub device: Device,
     /// Activation / KV-cache dtype.
     pub dtype: DType,
+    /// Build candle's `QMatMul` (the GPU path) even on the CPU, instead of our CPU kernels.
+    pub portable: bool,
     src: Src,
 }
 
@@ -175,6 +178,8 @@ enum Src {
         unpermute_qk: bool,
     },
     SafeTensors(candle_core::safetensors::MmapedSafetensors),
+    /// Made in memory under GGUF names (`random.rs`); loaded like a GGUF file from there on.
+    Random(RandomSpec),
 }
 
 fn load_err(path: &Path, what: impl std::fmt::Display) -> EngineError {
@@ -270,6 +275,7 @@ impl Loader {
             hp,
             device: device.clone(),
             dtype,
+            portable: false,
             src: Src::Gguf {
                 file,
                 content,
@@ -372,10 +378,46 @@ impl Loader {
             hp,
             device: device.clone(),
             dtype,
+            portable: false,
             src: Src::SafeTensors(st),
         };
         loader.validate(dir)?;
         Ok(loader)
+    }
+
+    /// Random weights of a real shape, made in memory (see `random.rs`).
+    pub fn random(spec: &RandomSpec, device: &Device) -> Result<Self, EngineError> {
+        let s = &spec.shape;
+        let hp = HParams {
+            arch: Arch::Qwen2,
+            name: format!("random-{}-{:?}", s.name, spec.quant).to_lowercase(),
+            vocab_size: s.vocab_size,
+            hidden: s.hidden,
+            intermediate: s.intermediate,
+            n_layers: s.layers,
+            n_heads: s.heads,
+            n_kv_heads: s.kv_heads,
+            head_dim: spec.head_dim(),
+            rms_eps: s.rms_eps,
+            rope_theta: s.rope_theta,
+            rope_scaling: RopeScaling::None,
+            context_length: s.context_length,
+            weights: format!("{:?}", spec.quant),
+        };
+        let loader = Loader {
+            hp,
+            device: device.clone(),
+            dtype: DType::F32,
+            portable: false,
+            src: Src::Random(spec.clone()),
+        };
+        loader.validate(Path::new(s.name))?;
+        Ok(loader)
+    }
+
+    /// Our CPU kernels apply (quantized weights on the CPU, unless `portable`).
+    fn native_cpu(&self) -> bool {
+        self.device.is_cpu() && !self.portable
     }
 
     fn validate(&self, path: &Path) -> Result<(), EngineError> {
@@ -400,21 +442,24 @@ impl Loader {
         match &self.src {
             Src::Gguf { content, .. } => content.tensor_infos.contains_key(name),
             Src::SafeTensors(st) => st.get(name).is_ok(),
+            Src::Random(spec) => spec.has(name),
         }
     }
 
     /// Whether the source has tensor `w`.
     pub fn has(&self, w: W) -> bool {
         match &self.src {
-            Src::Gguf { .. } => self.has_name(&w.gguf()),
+            Src::Gguf { .. } | Src::Random(_) => self.has_name(&w.gguf()),
             Src::SafeTensors(_) => self.has_name(&w.hf()),
         }
     }
 
     /// Raw GGUF tensor: dtype, shape (candle order: rows first) and bytes.
     fn gguf_raw(&mut self, name: &str) -> Result<(GgmlDType, Vec<usize>, Vec<u8>), EngineError> {
-        let Src::Gguf { file, content, .. } = &mut self.src else {
-            unreachable!("gguf_raw on a safetensors source")
+        let (file, content) = match &mut self.src {
+            Src::Gguf { file, content, .. } => (file, content),
+            Src::Random(spec) => return spec.tensor(name),
+            Src::SafeTensors(_) => unreachable!("gguf_raw on a safetensors source"),
         };
         let info = content
             .tensor_infos
@@ -487,7 +532,7 @@ impl Loader {
     /// A 1-D tensor (norm weight, bias) in the compute dtype on the device.
     pub fn vector(&mut self, w: W) -> Result<Tensor, EngineError> {
         let t = match &self.src {
-            Src::Gguf { .. } => {
+            Src::Gguf { .. } | Src::Random(_) => {
                 let (dtype, dims, bytes) = self.gguf_rows(w)?;
                 ggml_file::qtensor_from_ggml(dtype, &bytes, dims, &Device::Cpu)?
                     .dequantize(&Device::Cpu)?
@@ -500,7 +545,7 @@ impl Loader {
     /// A projection matrix `(out, in)`.
     pub fn linear(&mut self, w: W) -> Result<Linear, EngineError> {
         match &self.src {
-            Src::Gguf { .. } => {
+            Src::Gguf { .. } | Src::Random(_) => {
                 let (dtype, dims, bytes) = self.gguf_rows(w)?;
                 if dims.len() != 2 {
                     return Err(EngineError::Load(format!(
@@ -508,7 +553,7 @@ impl Loader {
                         w.gguf()
                     )));
                 }
-                if self.device.is_cpu() {
+                if self.native_cpu() {
                     if qmatmul::is_quantized(dtype) {
                         let k = qmatmul::kernel_from_bytes(dtype, dims[0], dims[1], &bytes)?;
                         return Ok(Linear::CpuQuant(k));
@@ -532,15 +577,15 @@ impl Loader {
     /// The token embedding, plus the same matrix as an LM head for tied-embedding models.
     pub fn embedding(&mut self) -> Result<(Embedding, Linear), EngineError> {
         match &self.src {
-            Src::Gguf { .. } => {
+            Src::Gguf { .. } | Src::Random(_) => {
                 let (dtype, dims, bytes) = self.gguf_rows(W::Embed)?;
-                if self.device.is_cpu() && qmatmul::is_quantized(dtype) {
+                if self.native_cpu() && qmatmul::is_quantized(dtype) {
                     let k = qmatmul::kernel_from_bytes(dtype, dims[0], dims[1], &bytes)?;
                     return Ok((Embedding::CpuQuant(k.clone()), Linear::CpuQuant(k)));
                 }
                 let q = ggml_file::qtensor_from_ggml(dtype, &bytes, dims, &self.device)?;
                 let dense = q.dequantize(&self.device)?;
-                let head = if self.device.is_cpu() {
+                let head = if self.native_cpu() {
                     Linear::Dense(dense.clone())
                 } else {
                     Linear::Quantized(QMatMul::from_qtensor(q)?)
