@@ -30,7 +30,10 @@ fn greedy_output_equals_target_only_decoding() {
     let mut total_steps = 0;
     let mut total_tokens = 0;
     for (nodes, levels) in [(1, 1), (4, 4), (8, 4), (16, 6)] {
-        let draft = start_draft(draft_config(&pair.draft, &[verify.url()], nodes, levels));
+        let mut config = draft_config(&pair.draft, &[verify.url()], nodes, levels);
+        // One node means no speculation at all here: no lookup branches either.
+        config.lookup.max_tokens = 0;
+        let draft = start_draft(config);
         for (prompt, want) in PROMPTS.iter().zip(&want) {
             let got = rt
                 .block_on(within(
@@ -60,6 +63,41 @@ fn greedy_output_equals_target_only_decoding() {
         total_steps < total_tokens,
         "{total_steps} steps for {total_tokens} tokens"
     );
+}
+
+/// Prompt-lookup branches (ALGORITHMS.md §9) grafted onto root-only trees and onto drafted
+/// trees: the output is still exactly the target's greedy decoding, and on a prompt that
+/// repeats itself lookup nodes are proposed and accepted.
+#[test]
+fn lookup_branches_stay_exact_and_are_accepted() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_config(&pair.target));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let repetitive = "one two three four five one two three four five one two three four five one two";
+    let prompts = [PROMPTS[0], PROMPTS[2], repetitive];
+    let mut proposed = 0;
+    let mut accepted = 0;
+    for (nodes, levels) in [(1, 1), (4, 3)] {
+        let mut config = draft_config(&pair.draft, &[verify.url()], nodes, levels);
+        config.lookup.max_tokens = 6;
+        let draft = start_draft(config);
+        for prompt in prompts {
+            let want = plain_greedy(&pair.target, prompt, 48);
+            let got = rt
+                .block_on(within(
+                    120,
+                    generate(&draft.url(), request(prompt, 48, 0.0, 1)),
+                ))
+                .expect("generation succeeds");
+            assert_eq!(got.tokens, want, "prompt {prompt:?}, tree of {nodes} nodes");
+            let s = got.summary.expect("summary");
+            assert!(s.lookup_accepted <= s.lookup_proposed);
+            proposed += s.lookup_proposed;
+            accepted += s.lookup_accepted;
+        }
+    }
+    assert!(proposed > 0, "no lookup branch was ever proposed");
+    assert!(accepted > 0, "no lookup node was ever accepted ({proposed} proposed)");
 }
 
 /// Auto mode profiles the verify node, plans from measured costs, re-plans as verdicts come
