@@ -208,10 +208,21 @@ pub async fn serve_with_http(
         drain_deadline: process::secs(config.drain_timeout_secs),
         ..process::GrpcLimits::default()
     };
+    let drain = limits.drain_deadline;
     process::serve_grpc(listener, tls, routes, shutdown, limits).await?;
-    // gRPC calls are done; HTTP generations hold admission slots until they end.
-    while state.admission.active() > 0 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // gRPC calls are done; HTTP generations hold admission slots until they end, within the
+    // same drain deadline (a generation stuck on a silent verify node must not hold the exit).
+    let waited = tokio::time::timeout(drain, async {
+        while state.admission.active() > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    if waited.is_err() {
+        tracing::warn!(
+            active = state.admission.active(),
+            "drain deadline passed with generations still running; exiting"
+        );
     }
     Ok(())
 }

@@ -73,7 +73,8 @@ fn lookup_branches_stay_exact_and_are_accepted() {
     let pair = TinyPair::new();
     let verify = start_verify(verify_config(&pair.target));
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let repetitive = "one two three four five one two three four five one two three four five one two";
+    let repetitive =
+        "one two three four five one two three four five one two three four five one two";
     let prompts = [PROMPTS[0], PROMPTS[2], repetitive];
     let mut proposed = 0;
     let mut accepted = 0;
@@ -97,7 +98,10 @@ fn lookup_branches_stay_exact_and_are_accepted() {
         }
     }
     assert!(proposed > 0, "no lookup branch was ever proposed");
-    assert!(accepted > 0, "no lookup node was ever accepted ({proposed} proposed)");
+    assert!(
+        accepted > 0,
+        "no lookup node was ever accepted ({proposed} proposed)"
+    );
 }
 
 /// Auto mode profiles the verify node, plans from measured costs, re-plans as verdicts come
