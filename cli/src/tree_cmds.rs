@@ -231,11 +231,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
     let widths: Vec<u32> = sizes.iter().copied().filter(|&w| w <= 16).collect();
     eprintln!("measuring draft t_d(w) for w in {widths:?}");
     let (draft, draft_name) = load(&args.draft)?;
-    let vocab = draft.info().vocab_size;
-    let head = match args.draft_vocab {
-        0 => vocab,
-        k => k.min(vocab),
-    };
+    let head = sequoia_engine::drafting::head_vocab(&draft, args.draft_vocab);
     let td = measure_draft(&draft, &widths, args.context, args.repeats, head)?;
     let profile = Profile {
         verify: CostCurve::new(sizes, tv)?,

@@ -160,11 +160,7 @@ impl Planner {
             .into_iter()
             .filter(|&w| w as usize <= self.cfg.nodes.max(1))
             .collect();
-        let vocab = model.info().vocab_size;
-        let head = match draft_vocab {
-            0 => vocab,
-            k => k.min(vocab),
-        };
+        let head = sequoia_engine::drafting::head_vocab(model, draft_vocab);
         let ms = profiling::measure_draft(model, &sizes, self.cfg.profile_context, 3, head)
             .map_err(|e| e.to_string())?;
         let curve = CostCurve::new(sizes, ms).map_err(|e| e.to_string())?;

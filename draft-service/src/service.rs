@@ -13,7 +13,6 @@ use sequoia_server::admission::Refused;
 use sequoia_server::{process, security};
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -36,7 +35,7 @@ impl Generation for GenerationService {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let state = self.state.clone();
         state.metrics.request();
-        let id = request_id();
+        let id = generation::request_id();
         let slot = state.admission.try_acquire().map_err(|r| match r {
             Refused::Draining => Status::unavailable(format!(
                 "draft node is shutting down; retry on another (request id {id})"
@@ -73,49 +72,6 @@ impl Generation for GenerationService {
 /// server's log lines for this request carry too.
 pub const REQUEST_ID: &str = "x-request-id";
 
-pub(crate) fn request_id() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(NEXT.fetch_add(1, Ordering::Relaxed));
-    format!("{:016x}", h.finish())
-}
-
-pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    p.downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| p.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "unknown panic".into())
-}
-
-/// What a public client sees of a failed generation: the status code, a short reason it can act
-/// on, and the request id. The detail (verify node addresses, engine errors) goes to this
-/// node's log under the same request id.
-pub fn public_status(s: &Status, id: &str) -> Status {
-    use tonic::Code::*;
-    let (code, reason) = match s.code() {
-        Unavailable => (
-            Unavailable,
-            "no verify node could serve this generation right now; retry later",
-        ),
-        ResourceExhausted => (
-            ResourceExhausted,
-            "the verify nodes cannot take this generation now (session or context limits); retry later or ask for fewer tokens",
-        ),
-        FailedPrecondition => (
-            FailedPrecondition,
-            "this deployment's draft and verify nodes are incompatible (tokenizer or protocol version); the operator must fix it",
-        ),
-        DeadlineExceeded => (DeadlineExceeded, "a verify step did not finish in time; retry"),
-        Cancelled => (Cancelled, "the generation was cancelled"),
-        _ => (Internal, "internal error"),
-    };
-    Status::new(
-        code,
-        format!("{reason} (request id {id}; the detail is in the draft-service log)"),
-    )
-}
-
 /// Serve Generation + health + reflection on `listener` until `shutdown` resolves; then refuse
 /// new generations and let running ones finish. TLS, mutual TLS, bearer tokens and the metrics
 /// endpoint follow the config (`tls_*`, `auth_*`, `metrics_listen`).
@@ -149,13 +105,13 @@ pub async fn serve_with_http(
         .register_encoded_file_descriptor_set(sequoia_proto::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let config = &state.config;
-    let tls = security::server_tls(&config.tls_cert, &config.tls_key, &config.tls_client_ca)?;
-    let tokens = security::TokenCheck::load(&config.auth_tokens, &config.auth_tokens_file)?;
-    security::tokens_need_tls(
-        tokens.is_enabled(),
-        tls.is_some(),
+    let (tls, tokens) = security::server_security(
+        &config.tls_cert,
+        &config.tls_key,
+        &config.tls_client_ca,
+        &config.auth_tokens,
+        &config.auth_tokens_file,
         config.refuse_tokens_without_tls,
-        "auth_tokens",
     )?;
     // The token check guards Generation only: health and reflection stay open for probes.
     let svc = InterceptedService::new(

@@ -91,13 +91,13 @@ pub async fn serve(
         .register_encoded_file_descriptor_set(sequoia_proto::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let config = &state.config;
-    let tls = security::server_tls(&config.tls_cert, &config.tls_key, &config.tls_client_ca)?;
-    let tokens = security::TokenCheck::load(&config.auth_tokens, &config.auth_tokens_file)?;
-    security::tokens_need_tls(
-        tokens.is_enabled(),
-        tls.is_some(),
+    let (tls, tokens) = security::server_security(
+        &config.tls_cert,
+        &config.tls_key,
+        &config.tls_client_ca,
+        &config.auth_tokens,
+        &config.auth_tokens_file,
         config.refuse_tokens_without_tls,
-        "auth_tokens",
     )?;
     // The token check guards the Verifier only: health and reflection stay open for probes.
     let verifier = InterceptedService::new(

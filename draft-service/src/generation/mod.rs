@@ -8,11 +8,13 @@
 //!    the new text ([`text`]) — until EOS, a stop string, `max_tokens` or the context limit;
 //! 3. [`summary`]: the final chunk's statistics.
 
+mod errors;
 mod link;
 mod request;
 mod summary;
 mod text;
 
+pub use errors::{public_status, request_id};
 pub use request::{prepare, Prepared};
 pub use summary::record_summary;
 
@@ -48,7 +50,7 @@ pub type Chunks = ReceiverStream<Result<GenerateChunk, Status>>;
 /// returned stream (the client went away) stops the generation at its next step, which closes
 /// the verify session and frees the slot.
 pub fn spawn(state: Arc<DraftState>, prep: Prepared, slot: Permit) -> Chunks {
-    spawn_with_id(state, prep, slot, crate::service::request_id())
+    spawn_with_id(state, prep, slot, errors::request_id())
 }
 
 /// [`spawn`] under a request id the caller already gave the client. Errors reach the client in
@@ -68,12 +70,12 @@ pub fn spawn_with_id(state: Arc<DraftState>, prep: Prepared, slot: Permit, id: S
                 Ok(Err(status)) => status,
                 Err(panic) => Status::internal(format!(
                     "generation panicked: {}",
-                    crate::service::panic_text(&*panic)
+                    errors::panic_text(&*panic)
                 )),
             };
             tracing::warn!(request_id = %id, code = ?status.code(), detail = ?status.message(), "generation failed");
             let _ = tx
-                .send(Err(crate::service::public_status(&status, &id)))
+                .send(Err(errors::public_status(&status, &id)))
                 .await;
         }
         .instrument(span),
@@ -121,11 +123,7 @@ async fn generate(
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
         // A tree grown with a lookup branch is not the size the plan predicted a time for.
-        let planned = if g.add_lookup(&mut drafted, room) == 0 {
-            shape.len()
-        } else {
-            0
-        };
+        let planned = (g.add_lookup(&mut drafted, room) == 0).then_some(shape.len());
         let verdict = g.verify(&drafted, planned).await?;
         let emitted = g.commit(&mut draft, &drafted, &verdict)?;
         match g.deliver(&emitted, &mut out, tx).await? {
@@ -326,8 +324,12 @@ impl<'a> Generation<'a> {
     }
 
     /// Verify the drafted tree (on whichever node holds the session) and check the verdict.
-    /// `nodes`: the planned tree size this step's time is observed for (0 = do not observe).
-    async fn verify(&mut self, drafted: &DraftedTree, nodes: usize) -> Result<Verdict, Status> {
+    /// `planned`: the plan's tree size this step's time is observed for (None = not comparable).
+    async fn verify(
+        &mut self,
+        drafted: &DraftedTree,
+        planned: Option<usize>,
+    ) -> Result<Verdict, Status> {
         let committed = || {
             let mut c = self.prep.prompt_tokens.clone();
             c.extend_from_slice(&self.generated);
@@ -342,7 +344,10 @@ impl<'a> Generation<'a> {
         self.times.roundtrip += round_trip;
         self.times.verify_ms += verdict.verify_ms;
         // Only full-size trees are comparable with the plan's prediction.
-        if let (Some(pred), true) = (&self.plan.prediction, nodes == self.plan.full_size()) {
+        if let (Some(pred), true) = (
+            &self.plan.prediction,
+            planned == Some(self.plan.full_size()),
+        ) {
             let draft_ms = self.times.last_draft.as_secs_f64() * 1e3;
             self.state
                 .planner

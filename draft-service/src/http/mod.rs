@@ -352,16 +352,16 @@ async fn complete(
     };
     // Wait for the first chunk before answering, so a generation that cannot start (no verify
     // node, ...) gets its own status instead of a 200 with an error inside.
+    // A stream that fails or ends before its summary is the generation's error.
+    let id = reply.id.clone();
+    let fail = |s: Option<tonic::Status>| match s {
+        Some(s) => ApiError::from_status(&s, endpoint.prompt_param(), &id),
+        None => ApiError::internal(&id),
+    };
     let first = match chunks.next().await {
         Some(Ok(c)) => c,
-        Some(Err(s)) => {
-            return Err(ApiError::from_status(
-                &s,
-                endpoint.prompt_param(),
-                &reply.id,
-            ))
-        }
-        None => return Err(ApiError::internal(&reply.id)),
+        Some(Err(s)) => return Err(fail(Some(s))),
+        None => return Err(fail(None)),
     };
     if parsed.stream {
         return Ok(sse::response(reply, first, chunks));
@@ -374,14 +374,8 @@ async fn complete(
                 text.push_str(&c.text);
                 summary = c.summary;
             }
-            Some(Err(s)) => {
-                return Err(ApiError::from_status(
-                    &s,
-                    endpoint.prompt_param(),
-                    &reply.id,
-                ))
-            }
-            None => return Err(ApiError::internal(&reply.id)),
+            Some(Err(s)) => return Err(fail(Some(s))),
+            None => return Err(fail(None)),
         }
     }
     let summary = summary.unwrap_or_default();
@@ -390,16 +384,11 @@ async fn complete(
 
 /// A random-looking id per response (`chatcmpl-…` / `cmpl-…`, as OpenAI's).
 fn request_id(endpoint: Endpoint) -> String {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
     let prefix = match endpoint {
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completions => "cmpl",
     };
-    format!("{prefix}-{:016x}", h.finish())
+    format!("{prefix}-{}", generation::request_id())
 }
 
 /// An opaque, per-process stable id for a verify node: responses say which node served them

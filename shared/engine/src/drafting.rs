@@ -112,8 +112,7 @@ impl DraftSession {
     /// Score only token ids `0..k` when drafting (clamped to the vocabulary; 0 = all). For
     /// BPE vocabularies whose ids follow merge order, that keeps the most frequent tokens.
     pub fn with_head_vocab(mut self, model: &Model, k: usize) -> Self {
-        let vocab = model.info().vocab_size;
-        self.head_vocab = if k == 0 { vocab } else { k.min(vocab) };
+        self.head_vocab = head_vocab(model, k);
         self
     }
 
@@ -228,6 +227,17 @@ impl DraftSession {
         self.pending
             .extend(path[keep.len()..].iter().map(|&v| drafted.tokens[v]));
         Ok(())
+    }
+}
+
+/// The LM-head width a `draft_vocab` setting means for `model`: the first `k` ids, clamped to
+/// the vocabulary; 0 = all of it.
+pub fn head_vocab(model: &Model, k: usize) -> usize {
+    let vocab = model.info().vocab_size;
+    if k == 0 {
+        vocab
+    } else {
+        k.min(vocab)
     }
 }
 

@@ -56,6 +56,27 @@ fn identity(cert: &Path, key: &Path) -> Result<Identity, SecurityError> {
     ))
 }
 
+/// A service's listener settings loaded and checked together: TLS ([`server_tls`]), the
+/// accepted bearer tokens, and the tokens-without-TLS rule ([`tokens_need_tls`]).
+pub fn server_security(
+    cert: &Path,
+    key: &Path,
+    client_ca: &Path,
+    tokens: &[String],
+    tokens_file: &Path,
+    refuse_tokens_without_tls: bool,
+) -> Result<(Option<ServerTlsConfig>, TokenCheck), SecurityError> {
+    let tls = server_tls(cert, key, client_ca)?;
+    let check = TokenCheck::load(tokens, tokens_file)?;
+    tokens_need_tls(
+        check.is_enabled(),
+        tls.is_some(),
+        refuse_tokens_without_tls,
+        "auth_tokens",
+    )?;
+    Ok((tls, check))
+}
+
 /// Server TLS from PEM files, or `None` (plaintext) when no certificate is given. With
 /// `client_ca`, clients must present a certificate signed by it (mutual TLS).
 pub fn server_tls(
