@@ -78,6 +78,7 @@ impl Generation<'_> {
             lookup_accepted: self.lookup_accepted,
             drafted_tokens: self.drafted,
             plan: Some(self.plan_message()),
+            ..Default::default()
         }
     }
 
