@@ -39,6 +39,7 @@ pub struct DraftConfig {
     pub connect_timeout_secs: f64,
     pub tree: TreeConfig,
     pub lookup: LookupConfig,
+    pub pipeline: PipelineConfig,
     /// Emit JSON log lines.
     pub log_json: bool,
     /// TLS certificate chain and private key (PEM) for the Generation service; empty = plaintext.
@@ -134,6 +135,31 @@ impl LookupConfig {
     }
 }
 
+/// Pipelined drafting (docs/ALGORITHMS.md §10): while a tree is being verified, the draft
+/// grows the next one for the likeliest verdicts, so that on a hit the next tree is ready
+/// when the verdict arrives. Pays where the draft has a CPU (or GPU) of its own, i.e. when draft
+/// and verify run on different hosts; on one shared CPU the two compete for the same cores.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PipelineConfig {
+    /// Default for requests that do not set `pipeline`.
+    pub enabled: bool,
+    /// Verdicts (end of the accepted path, then the next token) grown ahead per step.
+    pub candidates: usize,
+    /// Most draft forwards spent ahead per step (one per level of all candidates' trees).
+    pub max_forwards: usize,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            candidates: 2,
+            max_forwards: 16,
+        }
+    }
+}
+
 impl Default for TreeConfig {
     fn default() -> Self {
         Self {
@@ -165,6 +191,7 @@ impl Default for DraftConfig {
             connect_timeout_secs: 5.0,
             tree: TreeConfig::default(),
             lookup: LookupConfig::default(),
+            pipeline: PipelineConfig::default(),
             log_json: false,
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),
@@ -230,6 +257,13 @@ mod tests {
             .keys()
             .chain(
                 serde_json::to_value(LookupConfig::default())
+                    .unwrap()
+                    .as_object()
+                    .unwrap()
+                    .keys(),
+            )
+            .chain(
+                serde_json::to_value(PipelineConfig::default())
                     .unwrap()
                     .as_object()
                     .unwrap()

@@ -71,6 +71,10 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
             lk.max_tokens
         );
     }
+    let pl = &config.pipeline;
+    if pl.candidates == 0 || pl.candidates > 16 {
+        anyhow::bail!("pipeline.candidates must be 1..=16, got {}", pl.candidates);
+    }
     let planner = Planner::new(&config.tree, config.wire_top_k).map_err(anyhow::Error::msg)?;
     let opts = LoadOptions {
         threads: (config.threads > 0).then_some(config.threads),

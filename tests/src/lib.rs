@@ -330,6 +330,42 @@ pub fn target_first_two(
     (first.iter().map(|&p| p as f64).collect(), second)
 }
 
+/// The target's marginal distribution of the third generated token, given that neither of the
+/// first two is an end-of-sequence token: Σ p(a) p(b | a) p(· | a, b) over every a, b (a
+/// forward per pair, fine for the tiny test vocabularies).
+pub fn target_third(model_dir: &Path, prompt: &str, params: &SamplingParams) -> Vec<f64> {
+    let model = Model::load(model_dir, &LoadOptions::default()).unwrap();
+    let tok = TextTokenizer::load_for_model(model_dir).unwrap();
+    let eos = tok.eos_ids();
+    let ids = tok.encode(prompt, true).unwrap();
+    let mut cache = model.new_cache();
+    let first = probs_from_logits(&model.forward_chain_last(&mut cache, &ids).unwrap(), params);
+    let base = cache.len();
+    let mut third = vec![0.0f64; first.len()];
+    for (a, &pa) in first.iter().enumerate() {
+        if pa <= 0.0 || eos.contains(&(a as u32)) {
+            continue;
+        }
+        let la = model.forward_chain_last(&mut cache, &[a as u32]).unwrap();
+        let second = probs_from_logits(&la, params);
+        for (b, &pb) in second.iter().enumerate() {
+            if pb <= 0.0 || eos.contains(&(b as u32)) {
+                continue;
+            }
+            let lb = model.forward_chain_last(&mut cache, &[b as u32]).unwrap();
+            cache.truncate(base + 1);
+            let w = pa as f64 * pb as f64;
+            for (c, &pc) in probs_from_logits(&lb, params).iter().enumerate() {
+                third[c] += w * pc as f64;
+            }
+        }
+        cache.truncate(base);
+    }
+    let total: f64 = third.iter().sum();
+    third.iter_mut().for_each(|p| *p /= total);
+    third
+}
+
 /// Largest |f − p| over cells in units of the binomial standard deviation sqrt(p(1−p)/n);
 /// infinity when a cell of probability 0 was observed. Cells expected fewer than 10 times are
 /// pooled into one cell first, so the normal approximation behind a σ bound holds everywhere.

@@ -692,6 +692,7 @@ proptest! {
             seed: Some(1),
             stop,
             tree_parents,
+            pipeline: template.then_some(true),
         };
         if let Err(s) = draft_service::generation::prepare(state, &req) {
             prop_assert!(

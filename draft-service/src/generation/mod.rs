@@ -26,12 +26,13 @@ use sequoia_core::planner::cost::NodeCosts;
 use sequoia_core::stats::{AcceptanceCounts, RankCounts};
 use sequoia_core::tree::Tree;
 use sequoia_core::types::FinishReason;
-use sequoia_engine::drafting::{DraftSession, DraftedTree};
+use sequoia_engine::drafting::{DraftSession, DraftedTree, Speculation};
 use sequoia_proto::v1::{GenerateChunk, Verdict};
 use sequoia_server::admission::Permit;
 use sequoia_server::wire;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use summary::StepTimes;
 use text::TextOut;
 use tokio::sync::mpsc;
@@ -122,10 +123,18 @@ async fn generate(
         let shape = g.next_shape(room);
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
-        // A tree grown with a lookup branch is not the size the plan predicted a time for.
-        let planned = (g.add_lookup(&mut drafted, room) == 0).then_some(shape.len());
-        let verdict = g.verify(&drafted, planned).await?;
-        let emitted = g.commit(&mut draft, &drafted, &verdict)?;
+        // A tree grown with a lookup branch, or grown ahead during the last verification, is
+        // not what the plan predicted a time for.
+        let planned = (g.add_lookup(&mut drafted, room) == 0 && !drafted.was_drafted_ahead())
+            .then_some(shape.len());
+        let (verdict, ahead) = if prep.pipeline {
+            let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, planned, room).await?;
+            draft = back;
+            (verdict, ahead)
+        } else {
+            (g.verify(&drafted, planned).await?, None)
+        };
+        let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
         match g.deliver(&emitted, &mut out, tx).await? {
             Delivered::More => {}
             Delivered::Finished(f) => break f,
@@ -168,6 +177,13 @@ struct Generation<'a> {
     lookup_accepted: u64,
     /// Drafted tokens verified so far (tree nodes minus roots).
     drafted: u64,
+    /// Pipelined drafting: steps whose tree had been grown ahead, steps where it had not
+    /// (though the step before tried), the draft time those misses cost, and the time spent
+    /// drafting ahead during the last verification (until the next tree shows hit or miss).
+    pipeline_hits: u32,
+    pipeline_misses: u32,
+    pipeline_wasted: Duration,
+    ahead_time: Option<Duration>,
     /// When the generation started, and when text last went to the client (for the
     /// time-to-first-token and inter-token-latency metrics).
     t_start: Instant,
@@ -232,6 +248,10 @@ impl<'a> Generation<'a> {
             lookup_proposed: 0,
             lookup_accepted: 0,
             drafted: 0,
+            pipeline_hits: 0,
+            pipeline_misses: 0,
+            pipeline_wasted: Duration::ZERO,
+            ahead_time: None,
             t_start,
             last_delivery: None,
         };
@@ -263,8 +283,12 @@ impl<'a> Generation<'a> {
 
     /// The tree to draft with `room` tokens of context left.
     fn next_shape(&self, room: usize) -> Tree {
+        self.shape_at(room, self.steps())
+    }
+
+    /// The tree to draft at step `steps` (steps verified before it) with `room` tokens left.
+    fn shape_at(&self, room: usize, steps: u32) -> Tree {
         let every = self.state.planner.replan_every();
-        let steps = self.steps();
         match &self.prep.forced_tree {
             Some(t) if t.len() <= room => t.clone(),
             // Auto mode without speculation would never see a verdict again: probe with a
@@ -301,6 +325,14 @@ impl<'a> Generation<'a> {
         let drafted = drafted.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
         self.times.last_draft = t0.elapsed();
         self.times.draft += self.times.last_draft;
+        if let Some(ahead) = self.ahead_time.take() {
+            if drafted.was_drafted_ahead() {
+                self.pipeline_hits += 1;
+            } else {
+                self.pipeline_misses += 1;
+                self.pipeline_wasted += ahead;
+            }
+        }
         Ok((draft, drafted))
     }
 
@@ -363,18 +395,66 @@ impl<'a> Generation<'a> {
         Ok(verdict)
     }
 
-    /// Follow the verdict in the draft's cache and count it; returns the committed tokens
-    /// (accepted path, then the corrected/bonus token).
+    /// [`verify`](Self::verify), while the draft grows the next tree ahead for the likeliest
+    /// verdicts (pipelined drafting, docs/ALGORITHMS.md §10) on a blocking thread. The
+    /// verdict's arrival stops it (after the level in progress); what it grew goes to
+    /// [`commit`](Self::commit).
+    async fn verify_pipelined(
+        &mut self,
+        mut draft: DraftSession,
+        drafted: &DraftedTree,
+        planned: Option<usize>,
+        room: usize,
+    ) -> Result<(DraftSession, Verdict, Option<Speculation>), Status> {
+        // The next step's shape, assuming the deepest path (the least room) and the plan as it
+        // is; if the plan changes at the next re-plan, the tree grown ahead is dropped.
+        let next = self.shape_at(room.saturating_sub(drafted.tree.levels()), self.steps() + 1);
+        if next.len() < 2 || drafted.forwarded() == 0 {
+            return Ok((draft, self.verify(drafted, planned).await?, None));
+        }
+        let cfg = &self.state.config.pipeline;
+        let ends = drafted.likeliest_ends(&self.plan.acceptance, cfg.candidates);
+        let stop = Arc::new(AtomicBool::new(false));
+        let (model, tree, flag, max) = (
+            self.state.model.clone(),
+            drafted.clone(),
+            stop.clone(),
+            cfg.max_forwards,
+        );
+        let ahead = tokio::task::spawn_blocking(move || {
+            let t0 = Instant::now();
+            let spec = draft.speculate(&model, &tree, &next, &ends, max, &flag);
+            (draft, spec, t0.elapsed())
+        });
+        let verdict = self.verify(drafted, planned).await;
+        stop.store(true, Ordering::Relaxed);
+        let (draft, spec, took) = ahead
+            .await
+            .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
+        let verdict = verdict?;
+        let spec = spec.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+        self.ahead_time = Some(took);
+        Ok((draft, verdict, Some(spec)))
+    }
+
+    /// Follow the verdict in the draft's cache (keeping a tree grown `ahead` if the verdict
+    /// is the one it assumed) and count it; returns the committed tokens (accepted path, then
+    /// the corrected/bonus token).
     fn commit(
         &mut self,
         draft: &mut DraftSession,
         drafted: &DraftedTree,
         verdict: &Verdict,
+        ahead: Option<Speculation>,
     ) -> Result<Vec<u32>, Status> {
         let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
-        draft
-            .commit(drafted, &accepted)
-            .map_err(|e| Status::internal(format!("verify node {}: {e}", self.link.addr())))?;
+        let followed = match ahead {
+            None => draft.commit(drafted, &accepted),
+            Some(spec) => draft
+                .commit_speculated(drafted, &accepted, verdict.next_token, spec)
+                .map(drop),
+        };
+        followed.map_err(|e| Status::internal(format!("verify node {}: {e}", self.link.addr())))?;
         // The draft's statistics count the tree it grew; lookup nodes are counted apart.
         let ranks = verdict.accepted_ranks.iter().map(|&r| r as usize);
         let (grown, path) = drafted.drafted_path(&accepted);

@@ -78,7 +78,9 @@ impl Generation<'_> {
             lookup_accepted: self.lookup_accepted,
             drafted_tokens: self.drafted,
             plan: Some(self.plan_message()),
-            ..Default::default()
+            pipeline_hits: self.pipeline_hits,
+            pipeline_misses: self.pipeline_misses,
+            pipeline_wasted_ms: self.pipeline_wasted.as_secs_f64() * 1e3,
         }
     }
 

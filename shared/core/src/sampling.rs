@@ -16,6 +16,15 @@ use serde::{Deserialize, Serialize};
 pub const DRAFT_STREAM: u64 = 1;
 pub const VERIFY_STREAM: u64 = 2;
 
+/// The draft's stream for the tree rooted after `position` committed tokens. Trees draw from
+/// streams of their own (not one running stream), so a tree grown ahead of its verdict by
+/// pipelined drafting draws exactly what the same tree grown afterwards would: seeded output
+/// does not depend on pipelining (docs/ALGORITHMS.md §10). Distinct from the fixed streams
+/// above for every position.
+pub fn draft_tree_stream(position: u64) -> u64 {
+    ((position + 1) << 8) | DRAFT_STREAM
+}
+
 /// A seeded random stream. Same (seed, stream) → same numbers.
 #[derive(Debug, Clone)]
 pub struct SessionRng(ChaCha12Rng);

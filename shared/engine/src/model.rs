@@ -462,13 +462,31 @@ impl Model {
         rows: &[usize],
         head_vocab: usize,
     ) -> Result<Logits, EngineError> {
+        self.forward_forest_extend(cache, tokens, tree.parents(), start, rows, head_vocab)
+    }
+
+    /// [`forward_tree_extend`](Self::forward_tree_extend) over a forest given by `parents`
+    /// (−1 for a root at depth 0; otherwise a parent with a smaller index), in any topological
+    /// order rather than BFS. Pipelined drafting (docs/ALGORITHMS.md §10) needs it: it hangs
+    /// copies of a verified tree's nodes and the next trees below them after that tree's
+    /// cached nodes, in the order it grows them. Node `i` sits at position `base + depth(i)`
+    /// and attends to the committed prefix and its own ancestors, as in a tree.
+    pub fn forward_forest_extend(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        parents: &[i32],
+        start: usize,
+        rows: &[usize],
+        head_vocab: usize,
+    ) -> Result<Logits, EngineError> {
         if head_vocab == 0 || head_vocab > self.info.vocab_size {
             return Err(EngineError::InvalidInput(format!(
                 "LM head over {head_vocab} tokens: expected 1..={}",
                 self.info.vocab_size
             )));
         }
-        let n = tree.len();
+        let n = parents.len();
         if tokens.len() != n || start >= n || start > cache.len() {
             return Err(EngineError::InvalidInput(format!(
                 "tree extension: {} tokens, {n} nodes, start {start}, cache {}",
@@ -481,20 +499,34 @@ impl Model {
                 "logit row {r} out of range {start}..{n}"
             )));
         }
+        let mut depth = vec![0usize; n];
+        for (i, &p) in parents.iter().enumerate() {
+            if p >= 0 {
+                let p = p as usize;
+                if p >= i {
+                    return Err(EngineError::InvalidInput(format!(
+                        "forest node {i} has parent {p}: parents must come first"
+                    )));
+                }
+                depth[i] = depth[p] + 1;
+            }
+        }
         let base = cache.len() - start;
         let fresh = n - start;
-        let positions: Vec<u32> = (start..n).map(|i| (base + tree.depth(i)) as u32).collect();
+        let positions: Vec<u32> = (start..n).map(|i| (base + depth[i]) as u32).collect();
         let mask = if start == 0 && fresh == 1 {
             None
         } else {
             let len = base + n;
-            let mut m = vec![0f32; fresh * len];
+            let mut m = vec![f32::NEG_INFINITY; fresh * len];
             for (r, i) in (start..n).enumerate() {
-                let row = &mut m[r * len + base..(r + 1) * len];
-                for (j, v) in row.iter_mut().enumerate() {
-                    if !tree.attends(i, j) {
-                        *v = f32::NEG_INFINITY;
-                    }
+                let row = &mut m[r * len..(r + 1) * len];
+                row[..base].fill(0.0);
+                // Ancestors and self: walk up from the node.
+                let mut a = i as i32;
+                while a >= 0 {
+                    row[base + a as usize] = 0.0;
+                    a = parents[a as usize];
                 }
             }
             Some(m)

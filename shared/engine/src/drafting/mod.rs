@@ -1,0 +1,396 @@
+//! The draft side of one generation: the draft model's KV cache, growing a token tree level by
+//! level (docs/ALGORITHMS.md §3), and following the verifier's verdict. Plain library code with no
+//! networking: draft-service runs it against remote verify nodes, `sequoia tree
+//! measure-acceptance` against a local target.
+
+mod pipeline;
+
+pub use pipeline::{likeliest_ends, Speculation, SpeculationOutcome};
+
+use crate::{EngineError, KvCache, Logits, Model};
+use sequoia_core::sampling::{
+    draft_tree_stream, greedy_top_k, probs_from_logits, sample_without_replacement, SamplingParams,
+    SessionRng, SparseDist,
+};
+use sequoia_core::tree::{Tree, TreeLimits};
+
+/// A drafted tree ready to send: shape, tokens, and q for every expanded node (empty at T = 0).
+#[derive(Debug, Clone)]
+pub struct DraftedTree {
+    pub tree: Tree,
+    pub tokens: Vec<u32>,
+    pub dists: Vec<SparseDist>,
+    /// Nodes 0..forwarded of the tree as drafted went through the draft model (and sit in its
+    /// cache); deeper leaves did not need to.
+    forwarded: usize,
+    /// origin[v] = node v's index in the tree as drafted; None for a prompt-lookup node.
+    origin: Vec<Option<usize>>,
+    /// The tree as the draft model grew it (before lookup branches were grafted on), and its
+    /// tokens.
+    drafted: Tree,
+    drafted_tokens: Vec<u32>,
+    /// Committed tokens before the root: the position the tree was grown at.
+    position: usize,
+    /// Grown ahead by pipelined drafting and taken over when the verdict confirmed its
+    /// assumption, rather than grown after the verdict.
+    resumed: bool,
+}
+
+impl DraftedTree {
+    /// Graft a prompt-lookup continuation below the root (docs/ALGORITHMS.md §9); returns the
+    /// number of nodes added. Only at T = 0 (no q's): lookup nodes carry no draft distribution,
+    /// and the T > 0 rule for them is not implemented yet, so there this adds nothing.
+    pub fn graft_lookup(&mut self, chain: &[u32]) -> usize {
+        if !self.dists.is_empty() || chain.is_empty() {
+            return 0;
+        }
+        let g = self.tree.graft_chain(&self.tokens, chain);
+        let added = g.added.len();
+        self.origin = g
+            .origin
+            .iter()
+            .map(|o| o.and_then(|o| self.origin[o]))
+            .collect();
+        self.tree = g.tree;
+        self.tokens = g.tokens;
+        added
+    }
+
+    /// Nodes that came from prompt lookup rather than the draft model.
+    pub fn is_lookup(&self, v: usize) -> bool {
+        self.origin.get(v).is_some_and(|o| o.is_none())
+    }
+
+    /// The tree as the draft model grew it, and the part of an accepted path (indices of the
+    /// sent tree, checked) that runs through it, in its indices: what the draft's acceptance
+    /// statistics count. A path that continues into a lookup branch rejected every drafted
+    /// child of the node it left from.
+    pub fn drafted_path(&self, accepted: &[usize]) -> (&Tree, Vec<usize>) {
+        let path = accepted
+            .iter()
+            .map_while(|&v| self.origin.get(v).copied().flatten())
+            .collect();
+        (&self.drafted, path)
+    }
+
+    /// The `n` nodes of the tree as drafted where the accepted path most likely ends under
+    /// acceptance vector `p`: the candidates pipelined drafting grows the next tree for.
+    pub fn likeliest_ends(&self, p: &[f64], n: usize) -> Vec<usize> {
+        likeliest_ends(&self.drafted, p, n)
+    }
+
+    /// Nodes 0..forwarded() went through the draft model; 0 for a root-only tree.
+    pub fn forwarded(&self) -> usize {
+        self.forwarded
+    }
+
+    /// Whether pipelined drafting had grown this tree (or its first levels) before the verdict
+    /// that made it the next tree arrived.
+    pub fn was_drafted_ahead(&self) -> bool {
+        self.resumed
+    }
+}
+
+/// Why a verdict cannot be applied to the tree it answers.
+#[derive(Debug, thiserror::Error)]
+pub enum DraftError {
+    #[error("verdict does not fit the tree: {0}")]
+    BadVerdict(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+}
+
+pub struct DraftSession {
+    cache: KvCache,
+    /// Committed tokens the draft model has not processed yet. They are run lazily, right
+    /// before the next tree that needs the draft, so a root-only plan (no speculation) never
+    /// spends draft compute.
+    pending: Vec<u32>,
+    /// Each tree samples from its own stream, derived from the seed and the tree's position,
+    /// so a tree grown ahead by pipelining draws exactly what it would have drawn afterwards.
+    seed: u64,
+    params: SamplingParams,
+    wire_top_k: usize,
+    /// The LM head scores token ids `0..head_vocab` only (docs/ALGORITHMS.md §8); q is zero
+    /// outside them, which verification handles exactly through the residual.
+    head_vocab: usize,
+    /// A next tree grown ahead (pipelined drafting) whose assumed verdict held: its forwarded
+    /// nodes are the newest cache entries, after the committed context.
+    ready: Option<Growth>,
+}
+
+impl DraftSession {
+    /// Prefill the committed prefix (the prompt without its last token, the first root).
+    pub fn new(
+        model: &Model,
+        prefix: &[u32],
+        params: SamplingParams,
+        seed: u64,
+        wire_top_k: usize,
+    ) -> Result<Self, EngineError> {
+        let mut cache = model.new_cache();
+        if !prefix.is_empty() {
+            model.forward_chain(&mut cache, prefix)?;
+        }
+        Ok(Self {
+            cache,
+            pending: Vec::new(),
+            seed,
+            params,
+            wire_top_k,
+            head_vocab: model.info().vocab_size,
+            ready: None,
+        })
+    }
+
+    /// Score only token ids `0..k` when drafting (clamped to the vocabulary; 0 = all). For
+    /// BPE vocabularies whose ids follow merge order, that keeps the most frequent tokens.
+    pub fn with_head_vocab(mut self, model: &Model, k: usize) -> Self {
+        self.head_vocab = head_vocab(model, k);
+        self
+    }
+
+    /// Committed context length (tokens before the next root), processed or pending.
+    pub fn context_len(&self) -> usize {
+        let ahead = self.ready.as_ref().map_or(0, |g| g.forwarded);
+        self.cache.len() - ahead + self.pending.len()
+    }
+
+    /// Grow a tree of (at most) `shape` from `root`: one draft forward per level over that
+    /// level's nodes, then children by sampling without replacement from q (greedy top-b at
+    /// T = 0). A node gets fewer children than planned when q has fewer tokens.
+    pub fn grow(
+        &mut self,
+        model: &Model,
+        root: u32,
+        shape: &Tree,
+    ) -> Result<DraftedTree, EngineError> {
+        if let Some(ahead) = self.ready.take() {
+            if ahead.tokens[0] == root && ahead.shape == *shape {
+                return self.finish(model, ahead, true);
+            }
+            // Grown for another shape (the plan changed): drop its nodes.
+            self.cache.truncate(self.cache.len() - ahead.forwarded);
+        }
+        if shape.len() > 1 && !self.pending.is_empty() {
+            let pending = std::mem::take(&mut self.pending);
+            if let Err(e) = model.forward_chain(&mut self.cache, &pending) {
+                self.pending = pending;
+                return Err(e);
+            }
+        }
+        let growth = Growth::new(root, shape.clone(), self.seed, self.context_len());
+        self.finish(model, growth, false)
+    }
+
+    /// Forward the remaining levels of `g` (one draft forward per level) and hand it out.
+    fn finish(
+        &mut self,
+        model: &Model,
+        mut g: Growth,
+        resumed: bool,
+    ) -> Result<DraftedTree, EngineError> {
+        loop {
+            let expand = g.to_expand();
+            if expand.is_empty() {
+                break;
+            }
+            let logits = model.forward_forest_extend(
+                &mut self.cache,
+                &g.tokens,
+                &g.parents,
+                g.level_start,
+                &expand,
+                self.head_vocab,
+            )?;
+            g.add_children(&expand, &logits, 0, &self.params, self.wire_top_k);
+        }
+        let mut drafted = g.into_drafted();
+        drafted.resumed = resumed;
+        Ok(drafted)
+    }
+
+    /// Follow the verdict: keep the root and the accepted path in the cache; accepted tokens the
+    /// draft has not processed (a deepest-level leaf, the root of a root-only tree, a lookup
+    /// node) become pending, run right before the next tree that needs the draft.
+    pub fn commit(&mut self, drafted: &DraftedTree, accepted: &[usize]) -> Result<(), DraftError> {
+        check_path(&drafted.tree, accepted)?;
+        self.keep_path(drafted, accepted, 0, None)
+    }
+
+    /// Keep the root and the accepted path of `drafted` in the cache, whose newest entries are
+    /// the tree's `forwarded` nodes and then `appended` more (nodes grown ahead, all dropped).
+    /// `end_copy`: index among the appended entries of a copy of the path's last node, used in
+    /// its place when that node itself was never forwarded.
+    fn keep_path(
+        &mut self,
+        drafted: &DraftedTree,
+        accepted: &[usize],
+        appended: usize,
+        end_copy: Option<usize>,
+    ) -> Result<(), DraftError> {
+        let f = drafted.forwarded;
+        let mut path = Vec::with_capacity(accepted.len() + 1);
+        path.push(0);
+        path.extend_from_slice(accepted);
+        // Cache slots of the path's forwarded nodes. They form a prefix of the path: below a
+        // node the draft did not forward (or a lookup node) nothing was forwarded either.
+        let mut keep: Vec<usize> = path
+            .iter()
+            .map_while(|&v| drafted.origin[v].filter(|&o| o < f))
+            .collect();
+        if let (Some(c), true) = (end_copy, keep.len() + 1 == path.len()) {
+            keep.push(f + c);
+        }
+        if f + appended > 0 {
+            self.cache.keep_newest(f + appended, &keep)?;
+        }
+        self.pending
+            .extend(path[keep.len()..].iter().map(|&v| drafted.tokens[v]));
+        Ok(())
+    }
+}
+
+/// A tree being grown level by level (docs/ALGORITHMS.md §3): the nodes so far, and how many
+/// of them the draft model has forwarded. Kept between calls so that a tree grown ahead by
+/// pipelining can be finished later.
+#[derive(Debug, Clone)]
+struct Growth {
+    shape: Tree,
+    /// Committed tokens before the root.
+    position: usize,
+    parents: Vec<i32>,
+    tokens: Vec<u32>,
+    /// shape_of[v] = the shape node that node v stands for.
+    shape_of: Vec<usize>,
+    /// q of every expanded node, in expansion order (T > 0 only).
+    dists: Vec<SparseDist>,
+    /// First node of the level the next forward processes.
+    level_start: usize,
+    /// Nodes 0..forwarded are in the draft's cache.
+    forwarded: usize,
+    rng: SessionRng,
+}
+
+impl Growth {
+    fn new(root: u32, shape: Tree, seed: u64, position: usize) -> Self {
+        Self {
+            shape,
+            position,
+            parents: vec![-1],
+            tokens: vec![root],
+            shape_of: vec![0],
+            dists: Vec::new(),
+            level_start: 0,
+            forwarded: 0,
+            rng: SessionRng::new(seed, draft_tree_stream(position as u64)),
+        }
+    }
+
+    /// Nodes of the next level that the shape gives children; empty when the tree is done.
+    /// The next forward processes the whole level (`level_start..len`), with logits at these.
+    fn to_expand(&self) -> Vec<usize> {
+        (self.level_start..self.parents.len())
+            .filter(|&v| !self.shape.children(self.shape_of[v]).is_empty())
+            .collect()
+    }
+
+    /// After the level's forward: children of each node in `expand` from its logits (row
+    /// `first_row + i` of `logits` for `expand[i]`), by sampling without replacement from q
+    /// (greedy top-b at T = 0). A node gets fewer children than planned when q has fewer tokens.
+    fn add_children(
+        &mut self,
+        expand: &[usize],
+        logits: &Logits,
+        first_row: usize,
+        params: &SamplingParams,
+        wire_top_k: usize,
+    ) {
+        let level_end = self.parents.len();
+        for (i, &v) in expand.iter().enumerate() {
+            let row = logits.row(first_row + i);
+            let want = self.shape.children(self.shape_of[v]);
+            let kids = if params.is_greedy() {
+                greedy_top_k(row, want.len())
+            } else {
+                let dense = probs_from_logits(row, params);
+                let q = SparseDist::top_k_of(&dense, wire_top_k);
+                let kids = sample_without_replacement(&q, want.len(), &mut self.rng);
+                self.dists.push(q);
+                kids
+            };
+            for (r, tok) in kids.into_iter().enumerate() {
+                self.parents.push(v as i32);
+                self.tokens.push(tok);
+                self.shape_of.push(want[r] as usize);
+            }
+        }
+        self.forwarded = level_end;
+        self.level_start = level_end;
+    }
+
+    fn into_drafted(self) -> DraftedTree {
+        let tree = unchecked_tree(&self.parents);
+        let mut dists = self.dists;
+        // An expanded node whose q was empty got no children: drop its q so that dists lines up
+        // with the nodes that have children.
+        if !dists.is_empty() {
+            let expanded_planned =
+                (0..self.forwarded).filter(|&v| !self.shape.children(self.shape_of[v]).is_empty());
+            dists = dists
+                .into_iter()
+                .zip(expanded_planned)
+                .filter(|(_, v)| !tree.children(*v).is_empty())
+                .map(|(q, _)| q)
+                .collect();
+        }
+        DraftedTree {
+            origin: (0..tree.len()).map(Some).collect(),
+            drafted: tree.clone(),
+            drafted_tokens: self.tokens.clone(),
+            tree,
+            tokens: self.tokens,
+            dists,
+            forwarded: self.forwarded,
+            position: self.position,
+            resumed: false,
+        }
+    }
+}
+
+/// The LM-head width a `draft_vocab` setting means for `model`: the first `k` ids, clamped to
+/// the vocabulary; 0 = all of it.
+pub fn head_vocab(model: &Model, k: usize) -> usize {
+    let vocab = model.info().vocab_size;
+    if k == 0 {
+        vocab
+    } else {
+        k.min(vocab)
+    }
+}
+
+/// Check that `accepted` is a root-to-leaf path of `tree` (untrusted input from the network).
+pub fn check_path(tree: &Tree, accepted: &[usize]) -> Result<(), DraftError> {
+    let mut prev = 0usize;
+    for (k, &v) in accepted.iter().enumerate() {
+        if v == 0 || v >= tree.len() || tree.parent(v) != Some(prev) {
+            return Err(DraftError::BadVerdict(format!(
+                "accepted_nodes[{k}] = {v} is not a child of node {prev} in a tree of {} nodes",
+                tree.len()
+            )));
+        }
+        prev = v;
+    }
+    Ok(())
+}
+
+fn unchecked_tree(parents: &[i32]) -> Tree {
+    Tree::from_parents_limited(
+        parents,
+        TreeLimits {
+            max_nodes: usize::MAX,
+            max_levels: usize::MAX,
+        },
+    )
+    .expect("drafted trees are built in BFS order")
+}

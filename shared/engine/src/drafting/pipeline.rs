@@ -1,0 +1,268 @@
+//! Pipelined drafting (docs/ALGORITHMS.md §10): while tree k is being verified, grow tree k+1
+//! for the likeliest verdicts, so that when the verdict confirms one of them the next tree is
+//! ready (or partly grown) instead of starting from nothing.
+//!
+//! A verdict is an accepted path ending at some node v of tree k plus one more token (the
+//! correction or bonus). For each candidate v the drafter forwards a copy of v (its logits
+//! give the guess b for that token: the draft's likeliest token that is not one of v's
+//! children, since those were rejected if the path ends at v), then grows tree k+1 below b level
+//! by level, all candidates in one forward per level. These nodes go into the cache after tree
+//! k's, as a forest the attention mask keeps apart. When the verdict comes, a candidate whose
+//! (v, b) matches is a hit: the cache keeps the accepted path, v's copy and that candidate's
+//! nodes, and the next `grow` finishes it. Anything else is a miss: every speculative entry is
+//! dropped and the step continues exactly as without pipelining.
+//!
+//! Exactness does not depend on any of this: a tree grown ahead is the same proposal the
+//! drafter would have made after the verdict (same context, same per-position random stream,
+//! same shape), and verification is unchanged.
+
+use super::{check_path, DraftError, DraftSession, DraftedTree, Growth};
+use crate::{EngineError, Model};
+use sequoia_core::tree::Tree;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// What was grown ahead while one tree was verified; give it back with the verdict to
+/// [`DraftSession::commit_speculated`].
+#[derive(Debug)]
+pub struct Speculation {
+    /// Cache entries appended after the verified tree's forwarded nodes.
+    appended: usize,
+    candidates: Vec<Candidate>,
+    /// Draft forwards run (one per level, all candidates together).
+    pub forwards: usize,
+}
+
+#[derive(Debug)]
+struct Candidate {
+    /// The node of the tree as drafted that the accepted path would end at.
+    end: usize,
+    /// Index among the appended entries of `end`'s copy, once forwarded.
+    copy: Option<usize>,
+    /// The next tree, rooted at the guessed token, once the copy's logits chose it.
+    growth: Option<Growth>,
+    /// Index among the appended entries of each forwarded node of `growth`.
+    slots: Vec<usize>,
+}
+
+/// How a verdict met the speculation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpeculationOutcome {
+    /// A candidate matched: the next tree is ready (or partly grown) for [`DraftSession::grow`].
+    Hit,
+    /// No candidate matched: everything grown ahead was dropped.
+    Miss,
+}
+
+impl Speculation {
+    /// Nothing grown ahead (the tree had no drafted part, or speculation was not possible).
+    fn empty() -> Self {
+        Self {
+            appended: 0,
+            candidates: Vec::new(),
+            forwards: 0,
+        }
+    }
+
+    /// The (end node, guessed token) pairs grown ahead, end nodes in indices of the tree as
+    /// drafted (before lookup grafts); the guess is None where the stop came first.
+    pub fn candidates(&self) -> Vec<(usize, Option<u32>)> {
+        self.candidates
+            .iter()
+            .map(|c| (c.end, c.growth.as_ref().map(|g| g.tokens[0])))
+            .collect()
+    }
+}
+
+/// The `n` nodes of `tree` where the accepted path most likely ends, likeliest first, under
+/// the acceptance vector `p` (p[r] = probability that a node's rank-r child is accepted, the
+/// planner's model, docs/ALGORITHMS.md §2): the path reaches v with probability f(v), the
+/// product of its ranks' p, and stops there when none of v's children is accepted.
+pub fn likeliest_ends(tree: &Tree, p: &[f64], n: usize) -> Vec<usize> {
+    let mut reach = vec![0.0f64; tree.len()];
+    reach[0] = 1.0;
+    for v in 0..tree.len() {
+        for (r, &c) in tree.children(v).iter().enumerate() {
+            reach[c as usize] = reach[v] * p.get(r).copied().unwrap_or(0.0);
+        }
+    }
+    let mut ends: Vec<(f64, usize)> = (0..tree.len())
+        .map(|v| {
+            let kids = tree.children(v).len();
+            let taken: f64 = p.iter().take(kids).sum();
+            (reach[v] * (1.0 - taken).max(0.0), v)
+        })
+        .collect();
+    // Likeliest first; ties to the lower index, so the choice is deterministic.
+    ends.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    ends.into_iter().take(n).map(|(_, v)| v).collect()
+}
+
+impl DraftSession {
+    /// Grow the next tree (of `shape`) ahead for the `ends` of `drafted` (node indices of the
+    /// tree as drafted, e.g. from [`likeliest_ends`]), one draft forward per level, until
+    /// every candidate's tree is complete or `stop` is set (checked before each forward; the
+    /// verdict's arrival sets it) or `max_forwards` forwards ran. Call right after `grow` returned `drafted`, before its
+    /// commit. Stops early, with what it has, when the cache has no room.
+    pub fn speculate(
+        &mut self,
+        model: &Model,
+        drafted: &DraftedTree,
+        shape: &Tree,
+        ends: &[usize],
+        max_forwards: usize,
+        stop: &AtomicBool,
+    ) -> Result<Speculation, EngineError> {
+        let f = drafted.forwarded;
+        if f == 0 || shape.len() < 2 || self.ready.is_some() || !self.pending.is_empty() {
+            return Ok(Speculation::empty());
+        }
+        let tree = &drafted.drafted;
+        // The forest forwarded so far: tree k's cached nodes, then the appended entries.
+        let mut parents: Vec<i32> = tree.parents()[..f].to_vec();
+        let mut tokens: Vec<u32> = drafted.drafted_tokens[..f].to_vec();
+        let mut spec = Speculation::empty();
+        spec.candidates = ends
+            .iter()
+            .filter(|&&v| v < tree.len())
+            .map(|&end| Candidate {
+                end,
+                copy: None,
+                growth: None,
+                slots: Vec::new(),
+            })
+            .collect();
+        while spec.forwards < max_forwards && !stop.load(Ordering::Relaxed) {
+            let start = parents.len();
+            // (candidate, first row, nodes to expand (growth indices); empty = the copy)
+            let mut jobs: Vec<(usize, usize, Vec<usize>)> = Vec::new();
+            let mut rows = Vec::new();
+            for (ci, c) in spec.candidates.iter_mut().enumerate() {
+                match (&c.copy, &c.growth) {
+                    (None, _) => {
+                        c.copy = Some(parents.len() - f);
+                        jobs.push((ci, rows.len(), Vec::new()));
+                        rows.push(parents.len());
+                        parents.push(tree.parents()[c.end]);
+                        tokens.push(drafted.drafted_tokens[c.end]);
+                    }
+                    (Some(copy), Some(g)) => {
+                        let expand = g.to_expand();
+                        if expand.is_empty() {
+                            continue;
+                        }
+                        for u in g.level_start..g.parents.len() {
+                            let parent = match g.parents[u] {
+                                -1 => f + copy,
+                                p => f + c.slots[p as usize],
+                            };
+                            c.slots.push(parents.len() - f);
+                            parents.push(parent as i32);
+                            tokens.push(g.tokens[u]);
+                        }
+                        jobs.push((ci, rows.len(), expand.clone()));
+                        rows.extend(expand.iter().map(|&u| f + c.slots[u]));
+                    }
+                    (Some(_), None) => {}
+                }
+            }
+            if rows.is_empty() {
+                break;
+            }
+            if self.cache.len() + (parents.len() - start) > self.cache.capacity() {
+                // No room for this level: keep what was grown before it.
+                for (ci, _, expand) in &jobs {
+                    let c = &mut spec.candidates[*ci];
+                    if expand.is_empty() {
+                        c.copy = None;
+                    } else {
+                        let g = c.growth.as_ref().expect("expanding a growth");
+                        c.slots
+                            .truncate(c.slots.len() - (g.parents.len() - g.level_start));
+                    }
+                }
+                break;
+            }
+            let logits = model.forward_forest_extend(
+                &mut self.cache,
+                &tokens,
+                &parents,
+                start,
+                &rows,
+                self.head_vocab,
+            )?;
+            spec.appended = parents.len() - f;
+            spec.forwards += 1;
+            for (ci, first, expand) in jobs {
+                let c = &mut spec.candidates[ci];
+                if expand.is_empty() {
+                    // The token after a path ending at `end`: not one of its children (they
+                    // were all rejected if the path stops there).
+                    let kids: Vec<u32> = tree
+                        .children(c.end)
+                        .iter()
+                        .map(|&k| drafted.drafted_tokens[k as usize])
+                        .collect();
+                    let guess = super::greedy_top_k(logits.row(first), kids.len() + 1)
+                        .into_iter()
+                        .find(|t| !kids.contains(t));
+                    if let Some(b) = guess {
+                        let position = drafted.position + 1 + tree.depth(c.end);
+                        c.growth = Some(Growth::new(b, shape.clone(), self.seed, position));
+                    }
+                } else {
+                    let g = c.growth.as_mut().expect("expanding a growth");
+                    g.add_children(&expand, &logits, first, &self.params, self.wire_top_k);
+                }
+            }
+        }
+        Ok(spec)
+    }
+
+    /// Follow the verdict (accepted path `accepted` of the sent tree, then `next_token`) of a
+    /// tree that was speculated on. On a hit the matching candidate becomes the tree the next
+    /// [`grow`](Self::grow) from `next_token` with the same shape continues; on a miss this is
+    /// [`commit`](Self::commit).
+    pub fn commit_speculated(
+        &mut self,
+        drafted: &DraftedTree,
+        accepted: &[usize],
+        next_token: u32,
+        spec: Speculation,
+    ) -> Result<SpeculationOutcome, DraftError> {
+        check_path(&drafted.tree, accepted)?;
+        let f = drafted.forwarded;
+        // The path in indices of the tree as drafted; None if it went through a lookup node.
+        let mut path = vec![0usize];
+        let mut drafted_path = true;
+        for &v in accepted {
+            match drafted.origin[v] {
+                Some(o) => path.push(o),
+                None => drafted_path = false,
+            }
+        }
+        let end = *path.last().expect("the root");
+        let candidate = spec
+            .candidates
+            .into_iter()
+            .find(|c| drafted_path && c.end == end && c.copy.is_some());
+        let c = match candidate {
+            Some(c) if c.growth.as_ref().is_some_and(|g| g.tokens[0] == next_token) => c,
+            other => {
+                // Right end but another token: the end's copy still saves forwarding it.
+                let copy = other.and_then(|c| c.copy);
+                self.keep_path(drafted, accepted, spec.appended, copy)?;
+                return Ok(SpeculationOutcome::Miss);
+            }
+        };
+        let (copy, mut growth) = (c.copy.expect("checked"), c.growth.expect("checked"));
+        // Every path node but the last was expanded, so it is among the forwarded ones.
+        let mut keep: Vec<usize> = path[..path.len() - 1].to_vec();
+        debug_assert!(keep.iter().all(|&v| v < f));
+        keep.push(f + copy);
+        keep.extend(c.slots.iter().map(|&s| f + s));
+        self.cache.keep_newest(f + spec.appended, &keep)?;
+        growth.forwarded = c.slots.len();
+        self.ready = Some(growth);
+        Ok(SpeculationOutcome::Hit)
+    }
+}

@@ -1,0 +1,149 @@
+//! Pipelined drafting (docs/ALGORITHMS.md §10) on a batch-invariant random quantized model:
+//! whatever was grown ahead, and whether the verdict hit or missed, the next trees must be
+//! exactly (bit for bit, tokens and q) the trees a drafter without pipelining grows from the same
+//! committed tokens, at T = 0 and at T > 0 with the same seed.
+
+mod common;
+
+use common::tokens;
+use sequoia_core::sampling::SamplingParams;
+use sequoia_core::tree::Tree;
+use sequoia_engine::drafting::{DraftSession, DraftedTree, SpeculationOutcome};
+use sequoia_engine::random::{RandomQuant, RandomSpec};
+use sequoia_engine::{Kernels, LoadOptions, Model};
+use std::sync::atomic::AtomicBool;
+
+fn model() -> Model {
+    let spec = RandomSpec {
+        seed: 7,
+        quant: RandomQuant::Q4KM,
+        ..RandomSpec::named("tiny").unwrap()
+    };
+    let m = Model::random(&spec, &LoadOptions::default(), Kernels::Native).unwrap();
+    assert!(
+        m.info().batch_invariant,
+        "the test needs bit-identical rows"
+    );
+    m
+}
+
+fn params(t: f32) -> SamplingParams {
+    SamplingParams {
+        temperature: t,
+        ..SamplingParams::default()
+    }
+}
+
+fn same_tree(a: &DraftedTree, b: &DraftedTree, what: &str) {
+    assert_eq!(a.tree, b.tree, "{what}: shape");
+    assert_eq!(a.tokens, b.tokens, "{what}: tokens");
+    assert_eq!(a.dists, b.dists, "{what}: q");
+}
+
+/// The accepted path (indices of `t`) from the root to `end`.
+fn path_to(t: &Tree, end: usize) -> Vec<usize> {
+    t.path_to(end).into_iter().filter(|&v| v != 0).collect()
+}
+
+/// Draft tree k with and without pipelining, apply the verdict (path to `end`, then `bonus`
+/// or the speculation's own guess for `end`), and check the next two trees are identical.
+/// Returns whether the pipelined drafter hit.
+fn run_case(
+    model: &Model,
+    temperature: f32,
+    shape: &Tree,
+    ends: usize,
+    max_forwards: usize,
+    verdict: impl Fn(&DraftedTree, &[(usize, Option<u32>)]) -> (usize, u32),
+) -> SpeculationOutcome {
+    let vocab = model.info().vocab_size;
+    let prefix = tokens(20, 3, vocab);
+    let root = tokens(1, 4, vocab)[0];
+    let p = params(temperature);
+    let mut plain = DraftSession::new(model, &prefix, p, 99, 64).unwrap();
+    let mut piped = DraftSession::new(model, &prefix, p, 99, 64).unwrap();
+    let a = plain.grow(model, root, shape).unwrap();
+    let b = piped.grow(model, root, shape).unwrap();
+    same_tree(&a, &b, "tree k");
+    let candidates = b.likeliest_ends(&[0.6, 0.2, 0.1], ends);
+    let stop = AtomicBool::new(false);
+    let spec = piped
+        .speculate(model, &b, shape, &candidates, max_forwards, &stop)
+        .unwrap();
+    let (end, bonus) = verdict(&b, &spec.candidates());
+    let accepted = path_to(&b.tree, end);
+    plain.commit(&a, &accepted).unwrap();
+    let outcome = piped.commit_speculated(&b, &accepted, bonus, spec).unwrap();
+    assert_eq!(plain.context_len(), piped.context_len());
+    let a1 = plain.grow(model, bonus, shape).unwrap();
+    let b1 = piped.grow(model, bonus, shape).unwrap();
+    same_tree(&a1, &b1, "tree k+1");
+    assert_eq!(b1.was_drafted_ahead(), outcome == SpeculationOutcome::Hit);
+    // The caches must agree too: follow tree k+1's deepest first-child path and grow again.
+    let mut end1 = 0;
+    while let Some(&c) = a1.tree.children(end1).first() {
+        end1 = c as usize;
+    }
+    let acc1 = path_to(&a1.tree, end1);
+    plain.commit(&a1, &acc1).unwrap();
+    piped.commit(&b1, &acc1).unwrap();
+    let next = tokens(1, 5, vocab)[0];
+    let a2 = plain.grow(model, next, shape).unwrap();
+    let b2 = piped.grow(model, next, shape).unwrap();
+    same_tree(&a2, &b2, "tree k+2");
+    outcome
+}
+
+fn guessed(cands: &[(usize, Option<u32>)], i: usize) -> (usize, u32) {
+    let (end, tok) = cands[i];
+    (end, tok.expect("the copy was forwarded, so a guess exists"))
+}
+
+#[test]
+fn pipelined_hits_grow_the_same_next_tree() {
+    let model = model();
+    let shapes = [Tree::spine(3, 4), Tree::k_by_d(2, 3), Tree::chain(4)];
+    for t in [0.0, 0.7] {
+        for shape in &shapes {
+            for max_forwards in [1, 2, 3, 100] {
+                for which in 0..2 {
+                    let outcome = run_case(&model, t, shape, 2, max_forwards, |_, c| {
+                        guessed(c, which.min(c.len() - 1))
+                    });
+                    assert_eq!(
+                        outcome,
+                        SpeculationOutcome::Hit,
+                        "T {t}, shape {shape:?}, {max_forwards} forwards, candidate {which}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pipelined_misses_continue_exactly() {
+    let model = model();
+    let vocab = model.info().vocab_size as u32;
+    let shape = Tree::spine(3, 4);
+    for t in [0.0, 0.7] {
+        // The right end with another token; an end nobody grew; a root-only verdict.
+        let outcome = run_case(&model, t, &shape, 2, 100, |_, c| {
+            let (end, tok) = guessed(c, 0);
+            (end, (tok + 1) % vocab)
+        });
+        assert_eq!(outcome, SpeculationOutcome::Miss);
+        let outcome = run_case(&model, t, &shape, 1, 100, |d, c| {
+            let grown: Vec<usize> = c.iter().map(|x| x.0).collect();
+            let other = (0..d.tree.len())
+                .rev()
+                .find(|v| !grown.contains(v))
+                .unwrap();
+            (other, 5)
+        });
+        assert_eq!(outcome, SpeculationOutcome::Miss);
+        // Stopped before anything was forwarded.
+        let outcome = run_case(&model, t, &shape, 2, 0, |_, _| (0, 9));
+        assert_eq!(outcome, SpeculationOutcome::Miss);
+    }
+}
