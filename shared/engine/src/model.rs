@@ -101,17 +101,35 @@ struct Attention {
 
 /// Per-forward inputs shared by every layer.
 struct Step<'a> {
-    /// Rotary tables gathered at the new tokens' positions, `(n, head_dim / 2)`.
+    /// Rotary tables gathered at the new tokens' positions, `(rows, head_dim / 2)`.
     cos: &'a Tensor,
     sin: &'a Tensor,
-    /// Additive `(n, prefix + n)` mask; `None` when every new token sees everything (n = 1).
-    mask: Option<&'a Tensor>,
-    /// The same mask as raw values, for the CPU attention kernel.
-    mask_data: Option<&'a [f32]>,
-    /// Cache entries before the new tokens.
-    prefix: usize,
+    /// The sequences sharing this forward, in row order (one for a plain forward).
+    segments: &'a [SegmentStep<'a>],
     /// Use the CPU attention kernel (else candle ops, as on a GPU).
     cpu_attention: bool,
+}
+
+/// One sequence's rows of a forward: they attend to that sequence's cache only.
+struct SegmentStep<'a> {
+    /// First row of this sequence among the forward's rows.
+    offset: usize,
+    /// Rows (new tokens) of this sequence.
+    n: usize,
+    /// Cache entries before the new tokens.
+    prefix: usize,
+    /// Additive `(n, prefix + n)` mask; `None` when every new token sees everything (n = 1).
+    mask: Option<Tensor>,
+    /// The same mask as raw values, for the CPU attention kernel.
+    mask_data: Option<&'a [f32]>,
+}
+
+/// A sequence's new tokens before they become rows of a forward: where they sit and what they
+/// may see.
+struct Segment {
+    positions: Vec<u32>,
+    /// Additive `n × (prefix + n)` mask, row-major; `None` for a single token.
+    mask: Option<Vec<f32>>,
 }
 
 fn project(lin: &Linear, bias: &Option<Tensor>, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -123,56 +141,87 @@ fn project(lin: &Linear, bias: &Option<Tensor>, x: &Tensor) -> candle_core::Resu
 }
 
 impl Attention {
+    /// Project every row of the forward at once (each weight is read once for all sequences),
+    /// then attend per sequence: each segment's rows see only their own cache and mask.
     fn forward(
         &self,
         x: &Tensor,
         step: &Step,
-        kv: &mut super::cache::LayerKv,
+        kvs: &mut [&mut super::cache::LayerKv],
     ) -> candle_core::Result<Tensor> {
-        let (n, _) = x.dims2()?;
+        let (rows, _) = x.dims2()?;
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
-        let group = h / kvh;
-        let len = step.prefix + n;
 
-        // (1, n, heads, d): the layout rope_thd rotates in place, no transpose needed first.
-        let q = project(&self.wq, &self.bq, x)?.reshape((1, n, h, d))?;
-        let k = project(&self.wk, &self.bk, x)?.reshape((1, n, kvh, d))?;
-        let v = project(&self.wv, &self.bv, x)?.reshape((n, kvh, d))?;
-        let q = candle_nn::rotary_emb::rope_thd(&q, step.cos, step.sin)?;
-        let k = candle_nn::rotary_emb::rope_thd(&k, step.cos, step.sin)?;
+        // (1, rows, heads, d): the layout rope_thd rotates in place, no transpose needed first.
+        let q = project(&self.wq, &self.bq, x)?.reshape((1, rows, h, d))?;
+        let k = project(&self.wk, &self.bk, x)?.reshape((1, rows, kvh, d))?;
+        let v = project(&self.wv, &self.bv, x)?.reshape((rows, kvh, d))?;
+        let q = candle_nn::rotary_emb::rope_thd(&q, step.cos, step.sin)?.squeeze(0)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k, step.cos, step.sin)?.squeeze(0)?;
 
-        // Append the new keys/values in place, then attend over the live prefix (a view).
-        let k = k.squeeze(0)?.transpose(0, 1)?.contiguous()?; // (kvh, n, d)
-        let v = v.transpose(0, 1)?.contiguous()?;
-        kv.k.slice_set(&k, 1, step.prefix)?;
-        kv.v.slice_set(&v, 1, step.prefix)?;
-        if step.cpu_attention {
-            // Same arithmetic for a node whatever the tree size: see engine/attention.rs.
-            let q = q.squeeze(0)?.contiguous()?; // (n, h, d)
-            let dims = super::attention::Dims {
-                n,
-                heads: h,
-                kv_heads: kvh,
-                head_dim: d,
-                len,
-                cap: kv.k.dim(1)?,
+        let whole = step.segments.len() == 1;
+        let mut cpu_out = Vec::new();
+        let mut outs = Vec::new();
+        for (seg, kv) in step.segments.iter().zip(kvs.iter_mut()) {
+            let part = |t: &Tensor| {
+                if whole {
+                    Ok(t.clone())
+                } else {
+                    t.narrow(0, seg.offset, seg.n)
+                }
             };
-            let out = super::attention::attend(&q, &kv.k, &kv.v, step.mask_data, &dims)?;
-            return self
-                .wo
-                .forward(&Tensor::from_vec(out, (n, h * d), x.device())?);
+            let (q, k, v) = (part(&q)?, part(&k)?, part(&v)?);
+            // Append the new keys/values in place, then attend over the live prefix (a view).
+            let k = k.transpose(0, 1)?.contiguous()?; // (kvh, n, d)
+            let v = v.transpose(0, 1)?.contiguous()?;
+            kv.k.slice_set(&k, 1, seg.prefix)?;
+            kv.v.slice_set(&v, 1, seg.prefix)?;
+            if step.cpu_attention {
+                // Same arithmetic for a row whatever else is in the forward: engine/attention.rs.
+                let dims = super::attention::Dims {
+                    n: seg.n,
+                    heads: h,
+                    kv_heads: kvh,
+                    head_dim: d,
+                    len: seg.prefix + seg.n,
+                    cap: kv.k.dim(1)?,
+                };
+                let q = q.contiguous()?; // (n, h, d)
+                let out = super::attention::attend(&q, &kv.k, &kv.v, seg.mask_data, &dims)?;
+                if whole {
+                    cpu_out = out;
+                } else {
+                    cpu_out.extend_from_slice(&out);
+                }
+            } else {
+                outs.push(self.attend_candle(&q, kv, seg)?);
+            }
         }
+        let out = if step.cpu_attention {
+            Tensor::from_vec(cpu_out, (rows, h * d), x.device())?
+        } else if whole {
+            outs.pop().expect("one segment")
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
+        self.wo.forward(&out)
+    }
+
+    /// Attention of one segment with candle ops (the GPU path): `q` is `(n, heads, d)`.
+    fn attend_candle(
+        &self,
+        q: &Tensor,
+        kv: &super::cache::LayerKv,
+        seg: &SegmentStep,
+    ) -> candle_core::Result<Tensor> {
+        let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let (n, group, len) = (seg.n, h / kvh, seg.prefix + seg.n);
         let keys = kv.k.narrow(1, 0, len)?; // (kvh, len, d)
         let values = kv.v.narrow(1, 0, len)?;
-
         // Query heads of one KV group become rows: (kvh, group * n, d).
-        let q = (q.squeeze(0)?.transpose(0, 1)? * (1.0 / (d as f64).sqrt()))?.reshape((
-            kvh,
-            group * n,
-            d,
-        ))?;
+        let q = (q.transpose(0, 1)? * (1.0 / (d as f64).sqrt()))?.reshape((kvh, group * n, d))?;
         let scores = q.matmul(&keys.t()?)?; // (kvh, group * n, len)
-        let scores = match step.mask {
+        let scores = match &seg.mask {
             Some(mask) => scores
                 .reshape((kvh, group, n, len))?
                 .broadcast_add(mask)?
@@ -181,12 +230,10 @@ impl Attention {
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
         let out = probs.matmul(&values)?; // (kvh, group * n, d)
-        let out = out
-            .reshape((h, n, d))?
+        out.reshape((h, n, d))?
             .transpose(0, 1)?
             .contiguous()?
-            .reshape((n, h * d))?;
-        self.wo.forward(&out)
+            .reshape((n, h * d))
     }
 }
 
@@ -423,24 +470,8 @@ impl Model {
                 "logit row {r} out of range 0..{n}"
             )));
         }
-        let prefix = cache.len();
-        let positions: Vec<u32> = (0..n).map(|i| (prefix + tree.depth(i)) as u32).collect();
-        let mask = if n > 1 {
-            let len = prefix + n;
-            let mut m = vec![0f32; n * len];
-            for i in 0..n {
-                let row = &mut m[i * len + prefix..(i + 1) * len];
-                for (j, v) in row.iter_mut().enumerate() {
-                    if !tree.attends(i, j) {
-                        *v = f32::NEG_INFINITY;
-                    }
-                }
-            }
-            Some(m)
-        } else {
-            None
-        };
-        let hidden = self.forward_hidden(cache, tokens, &positions, mask)?;
+        let seg = tree_segment(tree, cache.len());
+        let hidden = self.forward_hidden(cache, tokens, seg.positions, seg.mask)?;
         self.logits(&hidden, rows, self.info.vocab_size)
     }
 
@@ -531,7 +562,7 @@ impl Model {
             }
             Some(m)
         };
-        let hidden = self.forward_hidden(cache, &tokens[start..], &positions, mask)?;
+        let hidden = self.forward_hidden(cache, &tokens[start..], positions, mask)?;
         let local: Vec<usize> = rows.iter().map(|&r| r - start).collect();
         self.logits(&hidden, &local, head_vocab)
     }
@@ -593,22 +624,8 @@ impl Model {
         cache: &mut KvCache,
         tokens: &[u32],
     ) -> Result<Tensor, EngineError> {
-        let n = tokens.len();
-        let prefix = cache.len();
-        let positions: Vec<u32> = (prefix..prefix + n).map(|p| p as u32).collect();
-        let mask = if n > 1 {
-            let len = prefix + n;
-            let mut m = vec![0f32; n * len];
-            for i in 0..n {
-                for v in &mut m[i * len + prefix + i + 1..(i + 1) * len] {
-                    *v = f32::NEG_INFINITY;
-                }
-            }
-            Some(m)
-        } else {
-            None
-        };
-        self.forward_hidden(cache, tokens, &positions, mask)
+        let seg = chain_segment(cache.len(), tokens.len());
+        self.forward_hidden(cache, tokens, seg.positions, seg.mask)
     }
 
     /// Run the blocks over `tokens` at `positions` with the given additive mask (`n × (prefix +
@@ -618,14 +635,37 @@ impl Model {
         &self,
         cache: &mut KvCache,
         tokens: &[u32],
-        positions: &[u32],
+        positions: Vec<u32>,
         mask: Option<Vec<f32>>,
     ) -> Result<Tensor, EngineError> {
-        let n = tokens.len();
-        if n == 0 {
+        self.forward_hidden_batch(&mut [cache], tokens, &[Segment { positions, mask }])
+    }
+
+    /// [`forward_hidden`](Self::forward_hidden) for several sequences in one pass: `tokens` holds
+    /// every segment's tokens back to back, segment `s` continuing `caches[s]`. Every weight is
+    /// read once for all rows; attention runs per segment. A row's result does not depend on the
+    /// other segments (the kernels are batch invariant), which is what lets a verify node batch
+    /// sessions without changing any verdict. Caches grow only if everything succeeds.
+    fn forward_hidden_batch(
+        &self,
+        caches: &mut [&mut KvCache],
+        tokens: &[u32],
+        segments: &[Segment],
+    ) -> Result<Tensor, EngineError> {
+        let rows = tokens.len();
+        if rows == 0 || segments.iter().any(|s| s.positions.is_empty()) {
             return Err(EngineError::InvalidInput("no tokens to forward".into()));
         }
-        if !cache.fits(self.info.n_layers, self.info.n_kv_heads, self.info.head_dim) {
+        if caches.len() != segments.len()
+            || segments.iter().map(|s| s.positions.len()).sum::<usize>() != rows
+        {
+            return Err(EngineError::InvalidInput(
+                "batched forward: segments do not match the caches and tokens".into(),
+            ));
+        }
+        let (layers, kv_heads, head_dim) =
+            (self.info.n_layers, self.info.n_kv_heads, self.info.head_dim);
+        if !caches.iter().all(|c| c.fits(layers, kv_heads, head_dim)) {
             return Err(EngineError::InvalidInput(
                 "KV cache was created by a different model".into(),
             ));
@@ -636,39 +676,114 @@ impl Model {
                 self.info.vocab_size
             )));
         }
-        let prefix = cache.len();
-        cache.reserve(prefix + n)?;
+        for (cache, seg) in caches.iter_mut().zip(segments) {
+            cache.reserve(cache.len() + seg.positions.len())?;
+        }
         let dev = &self.device;
-        let pos = Tensor::new(positions, dev)?;
+        let positions: Vec<u32> = segments
+            .iter()
+            .flat_map(|s| s.positions.iter().copied())
+            .collect();
+        let pos = Tensor::new(positions.as_slice(), dev)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
         // The CPU attention kernel reads the raw mask; only the candle path needs a tensor.
         let cpu_attention = self.cpu_attention;
-        let mask_t = match &mask {
-            Some(m) if !cpu_attention => {
-                Some(Tensor::from_slice(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?)
-            }
-            _ => None,
-        };
+        let mut steps = Vec::with_capacity(segments.len());
+        let mut offset = 0;
+        for (cache, seg) in caches.iter().zip(segments) {
+            let (n, prefix) = (seg.positions.len(), cache.len());
+            let mask = match &seg.mask {
+                Some(m) if !cpu_attention => {
+                    Some(Tensor::from_slice(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?)
+                }
+                _ => None,
+            };
+            steps.push(SegmentStep {
+                offset,
+                n,
+                prefix,
+                mask,
+                mask_data: seg.mask.as_deref(),
+            });
+            offset += n;
+        }
         let step = Step {
             cos: &cos,
             sin: &sin,
-            mask: mask_t.as_ref(),
-            mask_data: mask.as_deref(),
-            prefix,
+            segments: &steps,
             cpu_attention,
         };
         let mut x = self.embed.forward(tokens, dev)?.to_dtype(self.dtype)?;
-        for (block, kv) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let mut kvs: Vec<&mut super::cache::LayerKv> =
+                caches.iter_mut().map(|c| &mut c.layers[layer]).collect();
             let a = block
                 .attn
-                .forward(&block.attn_norm.forward(&x)?, &step, kv)?;
+                .forward(&block.attn_norm.forward(&x)?, &step, &mut kvs)?;
             x = (x + a)?;
             let m = block.mlp.forward(&block.mlp_norm.forward(&x)?)?;
             x = (x + m)?;
         }
-        cache.set_len(prefix + n);
+        for (cache, seg) in caches.iter_mut().zip(segments) {
+            let len = cache.len() + seg.positions.len();
+            cache.set_len(len);
+        }
         Ok(self.norm.forward(&x)?)
+    }
+
+    /// Several sequences' steps in one forward pass: each entry's tokens continue its own cache
+    /// (a tree after the committed prefix, or a chain such as a prefill chunk), and its `rows`
+    /// get logits. Entry `e` of the result holds entry `e`'s rows, each bit-identical to what
+    /// the same entry would get in a forward of its own on a batch-invariant model
+    /// ([`ModelInfo::batch_invariant`]). On error no cache changes.
+    pub fn forward_batch(
+        &self,
+        entries: &mut [BatchEntry<'_>],
+    ) -> Result<Vec<Logits>, EngineError> {
+        let mut tokens = Vec::new();
+        let mut segments = Vec::with_capacity(entries.len());
+        let mut rows = Vec::new();
+        for (e, entry) in entries.iter().enumerate() {
+            let n = entry.tokens.len();
+            if let BatchShape::Tree(tree) = entry.shape {
+                if tree.len() != n {
+                    return Err(EngineError::InvalidInput(format!(
+                        "batch entry {e}: {n} tokens for a tree of {} nodes",
+                        tree.len()
+                    )));
+                }
+            }
+            if let Some(&r) = entry.rows.iter().find(|&&r| r >= n) {
+                return Err(EngineError::InvalidInput(format!(
+                    "batch entry {e}: logit row {r} out of range 0..{n}"
+                )));
+            }
+            let prefix = entry.cache.len();
+            segments.push(match entry.shape {
+                BatchShape::Tree(tree) => tree_segment(tree, prefix),
+                BatchShape::Chain => chain_segment(prefix, n),
+            });
+            rows.extend(entry.rows.iter().map(|&r| tokens.len() + r));
+            tokens.extend_from_slice(entry.tokens);
+        }
+        let mut caches: Vec<&mut KvCache> = entries.iter_mut().map(|e| &mut *e.cache).collect();
+        let hidden = self.forward_hidden_batch(&mut caches, &tokens, &segments)?;
+        // One LM head pass for every entry's rows: the head is the largest matrix.
+        let vocab = self.info.vocab_size;
+        let all = self.logits(&hidden, &rows, vocab)?.into_vec();
+        let mut out = Vec::with_capacity(entries.len());
+        let mut at = 0;
+        for entry in entries.iter() {
+            let k = entry.rows.len();
+            out.push(Logits::new(
+                k,
+                vocab,
+                all[at * vocab..(at + k) * vocab].to_vec(),
+            ));
+            at += k;
+        }
+        Ok(out)
     }
 
     /// LM head over the chosen rows of the final hidden states, for token ids `0..vocab`.
@@ -703,6 +818,59 @@ impl Model {
         };
         Ok(Logits::new(rows.len(), vocab, data))
     }
+}
+
+/// One sequence's share of [`Model::forward_batch`].
+pub struct BatchEntry<'a> {
+    /// The sequence's cache; its new tokens are appended after what it holds.
+    pub cache: &'a mut KvCache,
+    pub tokens: &'a [u32],
+    pub shape: BatchShape<'a>,
+    /// Indices of the new tokens whose logits are wanted (none for a prefill chunk).
+    pub rows: &'a [usize],
+}
+
+/// How an entry's new tokens relate to each other.
+#[derive(Clone, Copy)]
+pub enum BatchShape<'a> {
+    /// Tree nodes in BFS order: node `i` at position `prefix + depth(i)`, seeing its ancestors.
+    Tree(&'a Tree),
+    /// A sequence: token `i` at position `prefix + i`, seeing the tokens before it.
+    Chain,
+}
+
+/// Positions and mask of a tree's nodes after `prefix` cached entries.
+fn tree_segment(tree: &Tree, prefix: usize) -> Segment {
+    let n = tree.len();
+    let positions = (0..n).map(|i| (prefix + tree.depth(i)) as u32).collect();
+    let mask = (n > 1).then(|| {
+        let len = prefix + n;
+        let mut m = vec![0f32; n * len];
+        for i in 0..n {
+            let row = &mut m[i * len + prefix..(i + 1) * len];
+            for (j, v) in row.iter_mut().enumerate() {
+                if !tree.attends(i, j) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+        m
+    });
+    Segment { positions, mask }
+}
+
+/// Positions and causal mask of `n` chained tokens after `prefix` cached entries.
+fn chain_segment(prefix: usize, n: usize) -> Segment {
+    let positions = (prefix..prefix + n).map(|p| p as u32).collect();
+    let mask = (n > 1).then(|| {
+        let len = prefix + n;
+        let mut m = vec![0f32; n * len];
+        for i in 0..n {
+            m[i * len + prefix + i + 1..(i + 1) * len].fill(f32::NEG_INFINITY);
+        }
+        m
+    });
+    Segment { positions, mask }
 }
 
 /// `cos` and `sin` of `position · θ_i` for every position below `max_context`.
