@@ -153,8 +153,12 @@ pub fn verify_config(model: &Path) -> VerifyConfig {
 }
 
 pub fn start_verify(config: VerifyConfig) -> Running {
+    start_verify_state(verify_service::load_state(config).expect("verify-service loads"))
+}
+
+/// A verify-service around a state built by the test (e.g. a random-weight quantized model).
+pub fn start_verify_state(state: std::sync::Arc<verify_service::service::VerifyState>) -> Running {
     let rt = runtime();
-    let state = verify_service::load_state(config).expect("verify-service loads");
     let metrics = state.metrics.clone();
     launch(rt, "verify-service", &metrics, move |listener| {
         verify_service::serve(state, listener, std::future::pending())

@@ -597,7 +597,8 @@ fn check_overlay(overlay: &str, gpu: bool) {
     .collect();
     assert_eq!(secret_keys, want);
 
-    // The HPA scales the verify Deployment on active sessions (a Pods metric), CPU as fallback,
+    // The HPA scales the verify Deployment on the batch scheduler's busy share (a Pods metric),
+    // CPU as fallback,
     // and owns the replica count.
     let [hpa] = &r.hpas[..] else {
         panic!("one HPA")
@@ -618,7 +619,7 @@ fn check_overlay(overlay: &str, gpu: bool) {
     assert!(metrics.iter().any(|m| m
         .pods
         .as_ref()
-        .is_some_and(|p| p.metric.name == sequoia_server::metrics::ACTIVE_SESSIONS)));
+        .is_some_and(|p| p.metric.name == sequoia_server::metrics::BUSY_RATIO)));
     assert!(metrics
         .iter()
         .any(|m| m.resource.as_ref().is_some_and(|r| r.name == "cpu")));

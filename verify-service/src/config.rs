@@ -60,6 +60,12 @@ pub struct VerifyConfig {
     /// Refuse to start when bearer tokens are configured without TLS (they would cross the
     /// network in clear text); false = start with a loud warning.
     pub refuse_tokens_without_tls: bool,
+    /// KV-cache memory all open sessions together may reserve, in MiB (0 = no limit). A
+    /// session reserves what its cache can grow to (prompt + max_new_tokens + one tree) at
+    /// `open`; one that does not fit gets RESOURCE_EXHAUSTED.
+    pub kv_budget_mb: usize,
+    /// Continuous batching of every session's trees and prefill chunks.
+    pub batch: crate::batch::BatchConfig,
 }
 
 impl Default for VerifyConfig {
@@ -70,7 +76,7 @@ impl Default for VerifyConfig {
             threads: 0,
             cuda: false,
             max_context: 4096,
-            max_sessions: 16,
+            max_sessions: 64,
             drain_timeout_secs: 10.0,
             max_tree_nodes: limits::MAX_TREE_NODES,
             max_tree_levels: limits::MAX_TREE_LEVELS,
@@ -89,6 +95,8 @@ impl Default for VerifyConfig {
             keepalive_secs: 30.0,
             max_concurrent_streams: 64,
             refuse_tokens_without_tls: false,
+            kv_budget_mb: 8192,
+            batch: crate::batch::BatchConfig::default(),
         }
     }
 }
@@ -118,11 +126,17 @@ mod tests {
         // Every setting is documented: the example sets every key.
         let all = serde_json::to_value(VerifyConfig::default()).unwrap();
         let text = std::fs::read_to_string(&file).unwrap();
-        for key in all.as_object().unwrap().keys() {
-            assert!(
-                text.contains(&format!("\n{key} =")),
-                "{key} is not documented in the example"
-            );
+        for (key, v) in all.as_object().unwrap() {
+            let documented = match v.as_object() {
+                // A table: its header and every key in it.
+                Some(table) => {
+                    text.contains(&format!("[{key}]"))
+                        && table.keys().all(|k| text.contains(&format!("\n{k} =")))
+                }
+                None => text.contains(&format!("\n{key} =")),
+            };
+            assert!(documented, "{key} is not documented in the example");
         }
+        assert_eq!(c.batch, crate::batch::BatchConfig::default());
     }
 }

@@ -10,8 +10,10 @@
 //! logic), [`service`] (the gRPC layer), and [`serve`] here (health, reflection, draining
 //! shutdown).
 
+pub mod batch;
 pub mod cli;
 pub mod config;
+pub mod kv_pool;
 pub mod service;
 pub mod session;
 
@@ -38,6 +40,7 @@ pub fn load_state(config: VerifyConfig) -> anyhow::Result<Arc<VerifyState>> {
             "no target model given: pass --model PATH (a .gguf file or a Hugging Face folder)"
         );
     }
+    config.batch.validate().map_err(anyhow::Error::msg)?;
     let opts = LoadOptions {
         threads: (config.threads > 0).then_some(config.threads),
         cuda: config.cuda,

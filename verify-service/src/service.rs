@@ -1,7 +1,9 @@
 //! The `sequoia.v1.Verifier` gRPC service: a thin layer that turns messages into calls on
 //! [`VerifySession`](crate::session::VerifySession) and errors into status codes.
 
+use crate::batch::Scheduler;
 use crate::config::VerifyConfig;
+use crate::kv_pool::KvPool;
 use crate::session::{SessionError, SessionLimits, VerifySession};
 use sequoia_core::limits;
 use sequoia_engine::tokenizer::TextTokenizer;
@@ -35,16 +37,33 @@ pub struct VerifyState {
     pub moving: tokio::sync::watch::Sender<bool>,
     /// Prometheus series (recording is a no-op when `metrics_listen` is empty).
     pub metrics: Metrics,
+    /// Batches every session's work into shared forwards (`[batch] enabled`); `None` runs each
+    /// session's forwards on their own.
+    pub scheduler: Option<Scheduler>,
+    /// KV memory reserved by open sessions against `kv_budget_mb`.
+    pub kv: Arc<KvPool>,
     next_session: AtomicUsize,
 }
 
 impl VerifyState {
     pub fn new(model: Model, tokenizer: TextTokenizer, config: VerifyConfig) -> Self {
         let metrics = Metrics::for_listen("verify-service", &config.metrics_listen);
+        let admission = Admission::new(config.max_sessions, metrics.clone());
+        let model = Arc::new(model);
+        let scheduler = config.batch.enabled.then(|| {
+            Scheduler::start(
+                model.clone(),
+                config.batch.clone(),
+                admission.clone(),
+                metrics.clone(),
+            )
+        });
         Self {
-            admission: Admission::new(config.max_sessions, metrics.clone()),
+            kv: KvPool::new(config.kv_budget_mb.saturating_mul(1 << 20), metrics.clone()),
+            scheduler,
+            admission,
             metrics,
-            model: Arc::new(model),
+            model,
             tokenizer: Arc::new(tokenizer),
             config,
             moving: tokio::sync::watch::Sender::new(false),
@@ -111,6 +130,7 @@ fn to_status(e: SessionError) -> Status {
     match e {
         SessionError::Invalid(m) => Status::invalid_argument(m),
         SessionError::Exhausted(m) => Status::resource_exhausted(m),
+        SessionError::Unavailable(m) => Status::unavailable(m),
         SessionError::Engine(e) => Status::internal(e.to_string()),
     }
 }
@@ -154,13 +174,33 @@ async fn run_session(
     // The slot is taken only now, so silent streams never count against `max_sessions`.
     let _slot = admit(&state)?;
     let params = wire::sampling_from_config(open.sampling);
-    let (model, limits) = (state.model.clone(), state.limits());
+    let limits = state.limits();
     let prefix = open.prefix_tokens;
     let max_new = open.max_new_tokens as usize;
-    let (mut session, prefill_ms) =
-        blocking(move || VerifySession::open(&model, &prefix, params, open.seed, max_new, limits))
+    let session = VerifySession::new(&state.model, &prefix, params, open.seed, max_new, limits)
+        .map_err(to_status)?;
+    // Memory for everything this session's cache can grow to, or a clear refusal now.
+    let kv_bytes = session.cache_capacity() * state.model.kv_bytes_per_token();
+    let _kv = state
+        .kv
+        .reserve(kv_bytes)
+        .map_err(Status::resource_exhausted)?;
+    let (mut session, prefill_ms) = match &state.scheduler {
+        Some(scheduler) => scheduler.prefill(session, prefix).await,
+        None => {
+            let model = state.model.clone();
+            blocking(move || -> Result<(VerifySession, f64), SessionError> {
+                let mut session = session;
+                let t0 = Instant::now();
+                if !prefix.is_empty() {
+                    model.forward_chain(session.cache_mut(), &prefix)?;
+                }
+                Ok((session, t0.elapsed().as_secs_f64() * 1e3))
+            })
             .await?
-            .map_err(to_status)?;
+        }
+    }
+    .map_err(to_status)?;
     let opened = SessionOpened {
         context_limit: u32::try_from(session.context_limit()).unwrap_or(u32::MAX),
         prefill_ms,
@@ -201,14 +241,31 @@ async fn run_session(
         let dists = wire::dists_from_wire(tree.draft_dists);
         let model = state.model.clone();
         let span = info_span!("verify_step", step = tree.step, nodes = tree.parents.len());
-        let (back, result) = blocking(move || {
-            let _e = span.enter();
-            let r = session.verify(&model, tree.step, &tree.parents, &tree.tokens, &dists);
-            (session, r)
-        })
-        .await?;
-        session = back;
-        let r = result.map_err(to_status)?;
+        let r = match &state.scheduler {
+            Some(scheduler) => {
+                // Checks run here, in parallel across sessions; the forward is batched.
+                let prepared = session
+                    .prepare(&model, tree.step, &tree.parents, &tree.tokens, dists)
+                    .map_err(to_status)?;
+                let (back, r) = scheduler
+                    .verify(session, prepared)
+                    .instrument(span)
+                    .await
+                    .map_err(to_status)?;
+                session = back;
+                r
+            }
+            None => {
+                let (back, result) = blocking(move || {
+                    let _e = span.enter();
+                    let r = session.verify(&model, tree.step, &tree.parents, &tree.tokens, &dists);
+                    (session, r)
+                })
+                .await?;
+                session = back;
+                result.map_err(to_status)?
+            }
+        };
         state.metrics.step(
             r.verdict.accepted.len() + 1,
             r.verdict.ranks.iter().copied(),

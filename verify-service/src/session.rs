@@ -5,7 +5,7 @@
 use sequoia_core::sampling::{SamplingParams, SessionRng, SparseDist, VERIFY_STREAM};
 use sequoia_core::tree::{Tree, TreeLimits};
 use sequoia_core::verify::{verify_with_logits, Step, Verdict};
-use sequoia_engine::{EngineError, KvCache, Model};
+use sequoia_engine::{EngineError, KvCache, Logits, Model};
 use std::time::Instant;
 
 /// Limits a session enforces on each message.
@@ -26,6 +26,9 @@ pub enum SessionError {
     /// A limit was hit (RESOURCE_EXHAUSTED).
     #[error("{0}")]
     Exhausted(String),
+    /// The node cannot serve the session any more (UNAVAILABLE: the draft moves it elsewhere).
+    #[error("{0}")]
+    Unavailable(String),
     /// The engine failed (INTERNAL).
     #[error("target model failed: {0}")]
     Engine(#[from] EngineError),
@@ -40,11 +43,21 @@ pub struct StepResult {
 }
 
 pub struct VerifySession {
-    cache: KvCache,
+    pub(crate) cache: KvCache,
     params: SamplingParams,
     rng: SessionRng,
     next_step: u64,
     limits: SessionLimits,
+}
+
+/// A tree that passed every check of [`VerifySession::prepare`]: ready to be forwarded (alone
+/// or batched with other sessions' trees) and then finished by [`VerifySession::finish`].
+#[derive(Debug)]
+pub struct PreparedTree {
+    pub step: u64,
+    pub tree: Tree,
+    pub tokens: Vec<u32>,
+    dists: Vec<SparseDist>,
 }
 
 impl VerifySession {
@@ -58,6 +71,26 @@ impl VerifySession {
         max_new_tokens: usize,
         limits: SessionLimits,
     ) -> Result<(Self, f64), SessionError> {
+        let mut session = Self::new(model, prefix, params, seed, max_new_tokens, limits)?;
+        let t0 = Instant::now();
+        if !prefix.is_empty() {
+            model.forward_chain(&mut session.cache, prefix)?;
+        }
+        Ok((session, t0.elapsed().as_secs_f64() * 1e3))
+    }
+
+    /// Check an `open` and make the session with an empty cache; the caller prefills `prefix`
+    /// into [`cache`](Self::cache) (the batch scheduler does it in chunks between other
+    /// sessions' trees). The cache is limited to what this session can need (prompt, new
+    /// tokens and one tree), which is what [`kv_tokens`] reserves for it.
+    pub fn new(
+        model: &Model,
+        prefix: &[u32],
+        params: SamplingParams,
+        seed: u64,
+        max_new_tokens: usize,
+        limits: SessionLimits,
+    ) -> Result<Self, SessionError> {
         params
             .validate()
             .map_err(|e| SessionError::Invalid(format!("open.sampling: {e}")))?;
@@ -79,25 +112,18 @@ impl VerifySession {
                 prefix.len() + 1
             )));
         }
-        let mut cache = model.new_cache();
-        let t0 = Instant::now();
-        if !prefix.is_empty() {
-            model.forward_chain_last(&mut cache, prefix)?;
-        }
-        let prefill_ms = t0.elapsed().as_secs_f64() * 1e3;
-        Ok((
-            Self {
-                cache,
-                params,
-                rng: SessionRng::new(seed, VERIFY_STREAM),
-                next_step: 0,
-                limits: SessionLimits {
-                    max_context,
-                    ..limits
-                },
-            },
-            prefill_ms,
-        ))
+        let limits = SessionLimits {
+            max_context,
+            ..limits
+        };
+        let cache = model.new_cache_limited(kv_tokens(prefix.len(), max_new_tokens, &limits));
+        Ok(Self {
+            cache,
+            params,
+            rng: SessionRng::new(seed, VERIFY_STREAM),
+            next_step: 0,
+            limits,
+        })
     }
 
     pub fn context_len(&self) -> usize {
@@ -108,7 +134,18 @@ impl VerifySession {
         self.limits.max_context
     }
 
-    /// Verify one tree. On any error the session's state is unchanged.
+    /// Most entries this session's cache may hold (what its KV reservation covers).
+    pub fn cache_capacity(&self) -> usize {
+        self.cache.capacity()
+    }
+
+    /// The cache, for prefilling the prefix after [`new`](Self::new).
+    pub fn cache_mut(&mut self) -> &mut KvCache {
+        &mut self.cache
+    }
+
+    /// Verify one tree alone: [`prepare`](Self::prepare), one forward, [`finish`](Self::finish).
+    /// On any error the session's state is unchanged.
     pub fn verify(
         &mut self,
         model: &Model,
@@ -117,6 +154,22 @@ impl VerifySession {
         tokens: &[u32],
         dists: &[SparseDist],
     ) -> Result<StepResult, SessionError> {
+        let prepared = self.prepare(model, step, parents, tokens, dists.to_vec())?;
+        let t0 = Instant::now();
+        let logits = model.forward_tree(&mut self.cache, &prepared.tokens, &prepared.tree)?;
+        self.finish(prepared, &logits, t0)
+    }
+
+    /// Every check of a tree message, before any model work: step order, size limits, shape,
+    /// tokens, distributions, room in the context.
+    pub fn prepare(
+        &self,
+        model: &Model,
+        step: u64,
+        parents: &[i32],
+        tokens: &[u32],
+        dists: Vec<SparseDist>,
+    ) -> Result<PreparedTree, SessionError> {
         if step != self.next_step {
             return Err(SessionError::Invalid(format!(
                 "tree.step: expected {}, got {step} (steps are sent in order starting at 0)",
@@ -148,20 +201,43 @@ impl VerifySession {
             )));
         }
         let vocab = model.info().vocab_size;
-        let need_dists = !self.params.is_greedy();
-        let checked = Step::new(&tree, tokens, dists, vocab, need_dists)
+        Step::new(&tree, tokens, &dists, vocab, !self.params.is_greedy())
             .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
         let needed = self.cache.len() + tree.len();
-        if needed > self.limits.max_context {
+        if needed > self.limits.max_context.min(self.cache.capacity()) {
             return Err(SessionError::Exhausted(format!(
                 "context full: {} committed tokens + {} tree nodes exceed the session limit of {}",
                 self.cache.len(),
                 tree.len(),
-                self.limits.max_context
+                self.limits.max_context.min(self.cache.capacity())
             )));
         }
-        let t0 = Instant::now();
-        let logits = model.forward_tree(&mut self.cache, tokens, &tree)?;
+        Ok(PreparedTree {
+            step,
+            tree,
+            tokens: tokens.to_vec(),
+            dists,
+        })
+    }
+
+    /// The rest of a step once the tree's nodes are in the cache and `logits` holds a row per
+    /// node: exact verification, then compaction of the cache to the accepted path. `started`
+    /// is when the forward began (the step's reported verify time runs from there).
+    pub fn finish(
+        &mut self,
+        prepared: PreparedTree,
+        logits: &Logits,
+        started: Instant,
+    ) -> Result<StepResult, SessionError> {
+        let PreparedTree {
+            step,
+            tree,
+            tokens,
+            dists,
+        } = prepared;
+        let vocab = logits.vocab();
+        let checked = Step::new(&tree, &tokens, &dists, vocab, !self.params.is_greedy())
+            .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
         let verdict = verify_with_logits(&checked, |v| logits.row(v), &self.params, &mut self.rng);
         // Keep the root and the accepted path; the next tree's root is verdict.next_token.
         let mut keep = Vec::with_capacity(verdict.accepted.len() + 1);
@@ -172,7 +248,13 @@ impl VerifySession {
         Ok(StepResult {
             step,
             verdict,
-            verify_ms: t0.elapsed().as_secs_f64() * 1e3,
+            verify_ms: started.elapsed().as_secs_f64() * 1e3,
         })
     }
+}
+
+/// KV entries a session may come to hold: its prefix, every new token, and one tree in
+/// flight (capped by the context limit). The node reserves memory for this many at `open`.
+pub fn kv_tokens(prefix: usize, max_new_tokens: usize, limits: &SessionLimits) -> usize {
+    (prefix + 1 + max_new_tokens + limits.max_tree_nodes).min(limits.max_context)
 }

@@ -423,14 +423,28 @@ impl Model {
 
     /// An empty KV cache for this model (allocated lazily, up to `info().max_context`).
     pub fn new_cache(&self) -> KvCache {
+        self.new_cache_limited(self.info.max_context)
+    }
+
+    /// An empty KV cache that never holds more than `limit` entries (at most the model's
+    /// context), so its memory is bounded by `limit ×` [`kv_bytes_per_token`](Self::kv_bytes_per_token).
+    pub fn new_cache_limited(&self, limit: usize) -> KvCache {
         KvCache::new(
             self.info.n_layers,
             self.info.n_kv_heads,
             self.info.head_dim,
-            self.info.max_context,
+            limit.clamp(1, self.info.max_context),
             self.dtype,
             &self.device,
         )
+    }
+
+    /// Bytes of KV cache one token takes (keys and values of every layer).
+    pub fn kv_bytes_per_token(&self) -> usize {
+        2 * self.info.n_layers
+            * self.info.n_kv_heads
+            * self.info.head_dim
+            * self.dtype.size_in_bytes()
     }
 
     /// Forward `tokens` (tree nodes in BFS order, shape from `tree`) after the cache's committed

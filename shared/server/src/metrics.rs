@@ -26,6 +26,14 @@
 //! | [`SPEC_ACCEPTED_PER_POS`] | counter, `position` | draft: accepted tokens at depth `position` of the tree (1 = first drafted token; the last label also counts deeper ones) |
 //! | [`TIME_TO_FIRST_TOKEN`] | histogram, seconds | draft: generation start → first text sent |
 //! | [`INTER_TOKEN_LATENCY`] | histogram, seconds | draft: gap between text deliveries per token delivered (one observation per token) |
+//! | [`BATCH_ROWS`] | histogram | verify: rows (tree nodes and prefill tokens) per batched forward |
+//! | [`BATCH_SESSIONS`] | histogram | verify: sessions per batched forward |
+//! | [`BATCH_QUEUE_WAIT`] | histogram, seconds | verify: a tree's or prefill chunk's wait for its batch |
+//! | [`BATCH_FORWARD`] | histogram, seconds | verify: one batched forward (all its sessions) |
+//! | [`REQUESTS_RUNNING`] | gauge | verify: sessions in the batch now computing (vLLM's `num_requests_running`) |
+//! | [`REQUESTS_WAITING`] | gauge | verify: trees and prefills queued for the next batch (vLLM's `num_requests_waiting`) |
+//! | [`KV_CACHE_USAGE`] | gauge, 0..1 | verify: KV memory reserved by open sessions / `kv_budget_mb` (vLLM's `kv_cache_usage_perc`) |
+//! | [`BUSY_RATIO`] | gauge, 0..1 | verify: share of the last ~10 s the node spent in forwards; the autoscaler's metric |
 //! | [`HTTP_REQUESTS`] | counter, `route`, `status` | draft: OpenAI-compatible HTTP requests (appears with the first request) |
 //!
 //! The spec-decode, latency and HTTP series are recorded per step and per request, where they
@@ -58,10 +66,18 @@ pub const SPEC_ACCEPTED_PER_POS: &str = "sequoia_spec_decode_num_accepted_tokens
 pub const TIME_TO_FIRST_TOKEN: &str = "sequoia_time_to_first_token_seconds";
 pub const INTER_TOKEN_LATENCY: &str = "sequoia_inter_token_latency_seconds";
 pub const HTTP_REQUESTS: &str = "sequoia_http_requests_total";
+pub const BATCH_ROWS: &str = "sequoia_batch_rows";
+pub const BATCH_SESSIONS: &str = "sequoia_batch_sessions";
+pub const BATCH_QUEUE_WAIT: &str = "sequoia_batch_queue_wait_seconds";
+pub const BATCH_FORWARD: &str = "sequoia_batch_forward_seconds";
+pub const REQUESTS_RUNNING: &str = "sequoia_num_requests_running";
+pub const REQUESTS_WAITING: &str = "sequoia_num_requests_waiting";
+pub const KV_CACHE_USAGE: &str = "sequoia_kv_cache_usage_perc";
+pub const BUSY_RATIO: &str = "sequoia_verify_busy_ratio";
 
 /// Every series registered from the start (all but [`HTTP_REQUESTS`], whose labels are only
 /// known once requests arrive), for tests and docs.
-pub const ALL: [&str; 16] = [
+pub const ALL: [&str; 24] = [
     REQUESTS,
     GENERATED_TOKENS,
     STEPS,
@@ -78,6 +94,14 @@ pub const ALL: [&str; 16] = [
     SPEC_ACCEPTED_PER_POS,
     TIME_TO_FIRST_TOKEN,
     INTER_TOKEN_LATENCY,
+    BATCH_ROWS,
+    BATCH_SESSIONS,
+    BATCH_QUEUE_WAIT,
+    BATCH_FORWARD,
+    REQUESTS_RUNNING,
+    REQUESTS_WAITING,
+    KV_CACHE_USAGE,
+    BUSY_RATIO,
 ];
 
 /// Ranks above this share the last `rank` label value (keeps the label set bounded).
@@ -87,6 +111,10 @@ const TOKENS_PER_STEP_BUCKETS: [f64; 10] = [1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6
 const LATENCY_BUCKETS: [f64; 14] = [
     0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
 ];
+const BATCH_ROW_BUCKETS: [f64; 11] = [
+    1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0,
+];
+const BATCH_SESSION_BUCKETS: [f64; 8] = [1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0];
 const TTFT_BUCKETS: [f64; 14] = [
     0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 60.0,
 ];
@@ -116,6 +144,14 @@ struct Inner {
     accepted_per_pos: Vec<Counter>,
     ttft: Histogram,
     itl: Histogram,
+    batch_rows: Histogram,
+    batch_sessions: Histogram,
+    batch_wait: Histogram,
+    batch_forward: Histogram,
+    running: Gauge,
+    waiting: Gauge,
+    kv_usage: Gauge,
+    busy: Gauge,
     addr: OnceLock<SocketAddr>,
 }
 
@@ -146,6 +182,21 @@ impl Metrics {
                     &LATENCY_BUCKETS,
                 )
             })
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(BATCH_ROWS.into()), &BATCH_ROW_BUCKETS)
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(
+                    Matcher::Full(BATCH_SESSIONS.into()),
+                    &BATCH_SESSION_BUCKETS,
+                )
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(BATCH_QUEUE_WAIT.into()), &LATENCY_BUCKETS)
+            })
+            .and_then(|b| {
+                b.set_buckets_for_metric(Matcher::Full(BATCH_FORWARD.into()), &LATENCY_BUCKETS)
+            })
             .expect("bucket lists are non-empty")
             .build_recorder();
         let key = |name: &'static str| Key::from_static_name(name);
@@ -174,10 +225,26 @@ impl Metrics {
             accepted_per_pos: labelled(SPEC_ACCEPTED_PER_POS, "position"),
             ttft: recorder.register_histogram(&key(TIME_TO_FIRST_TOKEN), &METADATA),
             itl: recorder.register_histogram(&key(INTER_TOKEN_LATENCY), &METADATA),
+            batch_rows: recorder.register_histogram(&key(BATCH_ROWS), &METADATA),
+            batch_sessions: recorder.register_histogram(&key(BATCH_SESSIONS), &METADATA),
+            batch_wait: recorder.register_histogram(&key(BATCH_QUEUE_WAIT), &METADATA),
+            batch_forward: recorder.register_histogram(&key(BATCH_FORWARD), &METADATA),
+            running: recorder.register_gauge(&key(REQUESTS_RUNNING), &METADATA),
+            waiting: recorder.register_gauge(&key(REQUESTS_WAITING), &METADATA),
+            kv_usage: recorder.register_gauge(&key(KV_CACHE_USAGE), &METADATA),
+            busy: recorder.register_gauge(&key(BUSY_RATIO), &METADATA),
             addr: OnceLock::new(),
             recorder,
         };
-        inner.queue.set(0.0);
+        for g in [
+            &inner.queue,
+            &inner.running,
+            &inner.waiting,
+            &inner.kv_usage,
+            &inner.busy,
+        ] {
+            g.set(0.0);
+        }
         Self(Some(Arc::new(inner)))
     }
 
@@ -283,6 +350,40 @@ impl Metrics {
         let per = gap.as_secs_f64() / tokens as f64;
         for _ in 0..tokens {
             i.itl.record(per);
+        }
+    }
+
+    /// A batched forward is about to run: `rows` rows from `sessions` sessions, each of whose
+    /// work waited `waits` in the queue; `waiting` items stay queued for later batches.
+    pub fn batch_started(&self, rows: usize, sessions: usize, waits: &[Duration], waiting: usize) {
+        let Some(i) = &self.0 else { return };
+        i.batch_rows.record(rows as f64);
+        i.batch_sessions.record(sessions as f64);
+        for w in waits {
+            i.batch_wait.record(w.as_secs_f64());
+        }
+        i.running.set(sessions as f64);
+        i.waiting.set(waiting as f64);
+    }
+
+    /// ... and took `took`.
+    pub fn batch_finished(&self, took: Duration) {
+        let Some(i) = &self.0 else { return };
+        i.batch_forward.record(took.as_secs_f64());
+        i.running.set(0.0);
+    }
+
+    /// Share of KV memory reserved (0..1).
+    pub fn set_kv_usage(&self, fraction: f64) {
+        if let Some(i) = &self.0 {
+            i.kv_usage.set(fraction);
+        }
+    }
+
+    /// Share of recent time spent computing (0..1).
+    pub fn set_busy_ratio(&self, fraction: f64) {
+        if let Some(i) = &self.0 {
+            i.busy.set(fraction);
         }
     }
 
