@@ -114,19 +114,9 @@ pub struct DelayProxy {
 }
 
 impl DelayProxy {
-    /// Bind `listen`; connections will go to `upstream` with `rtt` added to their round trip.
-    pub async fn bind(listen: &str, upstream: &str, rtt: Duration) -> Result<Self> {
-        Self::bind_limited(listen, upstream, rtt, 0.0).await
-    }
-
-    /// [`bind`](Self::bind) with a link rate of `mbps` megabits per second in each direction
-    /// (0 = unlimited).
-    pub async fn bind_limited(
-        listen: &str,
-        upstream: &str,
-        rtt: Duration,
-        mbps: f64,
-    ) -> Result<Self> {
+    /// Bind `listen`; connections will go to `upstream` with `rtt` added to their round trip
+    /// and, unless `mbps` is 0, a link rate of `mbps` megabits per second in each direction.
+    pub async fn bind(listen: &str, upstream: &str, rtt: Duration, mbps: f64) -> Result<Self> {
         let listener = TcpListener::bind(listen)
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
@@ -251,8 +241,7 @@ pub fn net_delay(args: &NetDelayArgs) -> Result<()> {
     rt.block_on(async {
         let rtt = Duration::from_secs_f64(args.delay_ms / 1e3);
         let proxy =
-            DelayProxy::bind_limited(&args.listen, &args.upstream, rtt, args.bandwidth_mbps)
-                .await?;
+            DelayProxy::bind(&args.listen, &args.upstream, rtt, args.bandwidth_mbps).await?;
         let rate = if args.bandwidth_mbps > 0.0 {
             format!("{} Mbit/s each way", args.bandwidth_mbps)
         } else {
@@ -320,6 +309,7 @@ mod tests {
             "127.0.0.1:0",
             &upstream.to_string(),
             Duration::from_millis(rtt_ms),
+            0.0,
         )
         .await
         .unwrap();
@@ -491,7 +481,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shutdown_stops_accepting_and_closes_connections() {
         let echo = echo_server().await;
-        let p = DelayProxy::bind("127.0.0.1:0", &echo.to_string(), Duration::ZERO)
+        let p = DelayProxy::bind("127.0.0.1:0", &echo.to_string(), Duration::ZERO, 0.0)
             .await
             .unwrap();
         let addr = p.local_addr().unwrap();
