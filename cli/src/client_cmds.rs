@@ -201,6 +201,9 @@ pub struct DemoArgs {
     /// Skip the target-only comparison run.
     #[arg(long)]
     pub no_baseline: bool,
+    /// Send the prompt text raw instead of as a chat message (models without a chat template).
+    #[arg(long)]
+    pub raw: bool,
     /// Draft pipelined (GenerateRequest.pipeline = true): grow the next tree while the current
     /// one is verified.
     #[arg(long)]
@@ -244,6 +247,7 @@ fn demo_two_host(args: &DemoArgs) -> Result<()> {
     for (on, flag) in [
         (args.no_baseline, "--no-baseline"),
         (args.pipeline, "--pipeline"),
+        (args.raw, "--raw"),
     ] {
         if on {
             a.push(flag.into());
@@ -268,7 +272,7 @@ fn demo_request(args: &DemoArgs) -> GenerateRequest {
     let gen_args = GenerateArgs {
         addr: String::new(),
         prompt: args.prompt.clone(),
-        raw: false,
+        raw: args.raw,
         max_tokens: args.max_tokens,
         temperature: args.temperature,
         top_p: 1.0,
@@ -380,8 +384,13 @@ fn demo_given(args: &DemoArgs, addr: &str) -> Result<()> {
                 top_p: 1.0,
             };
             let target = resolve(&args.target)?;
-            let (tokens, secs) =
-                target_alone(&target, &args.prompt, args.max_tokens as usize, &params)?;
+            let (tokens, secs) = target_alone(
+                &target,
+                &args.prompt,
+                args.raw,
+                args.max_tokens as usize,
+                &params,
+            )?;
             let tps = tokens.len() as f64 / secs;
             (tokens, tps)
         }
@@ -532,12 +541,17 @@ pub(crate) async fn wait_ready(svc: &mut Service, url: &str, timeout: Duration) 
 fn target_alone(
     path: &Path,
     prompt_text: &str,
+    raw: bool,
     max_tokens: usize,
     params: &SamplingParams,
 ) -> Result<(Vec<u32>, f64)> {
     let tok = TextTokenizer::load_for_model(path)?;
     let model = Model::load(path, &LoadOptions::default())?;
-    let text = tok.apply_chat_template(&[ChatMessage::user(prompt_text.to_string())], true)?;
+    let text = if raw {
+        prompt_text.to_string()
+    } else {
+        tok.apply_chat_template(&[ChatMessage::user(prompt_text.to_string())], true)?
+    };
     let ids = tok.encode(&text, false)?;
     let mut cache = model.new_cache();
     let mut logits = model.forward_chain_last(&mut cache, &ids)?;
@@ -662,7 +676,13 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         top_k: 0,
         top_p: 1.0,
     };
-    let (tokens, secs) = target_alone(&target, &args.prompt, args.max_tokens as usize, &params)?;
+    let (tokens, secs) = target_alone(
+        &target,
+        &args.prompt,
+        args.raw,
+        args.max_tokens as usize,
+        &params,
+    )?;
     let tps = tokens.len() as f64 / secs;
     eprintln!(
         "[target alone: {} tokens, {:.2} tokens/s]",

@@ -397,5 +397,24 @@ mod emulation {
         assert!(cells
             .iter()
             .any(|c| c["method"] == "auto+pipe" && c["pipeline_hits"].is_u64()));
+
+        // The demo across the same emulation, pipelined, against root-only trees on the
+        // verify host.
+        let demo = Setup {
+            mode: "demo",
+            out_dir: Some(dir.path().join("demo")),
+            ..setup
+        };
+        let args: Vec<String> = [
+            "--raw",
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "8",
+            "--pipeline",
+        ]
+        .map(String::from)
+        .to_vec();
+        run_script(&two, &demo, &args).unwrap();
     }
 }
