@@ -137,10 +137,12 @@ pub struct BenchArgs {
     /// --draft-addr.
     #[arg(long, default_value = sequoia_models::QWEN_CODER_1_5B)]
     pub target: String,
-    /// Compute threads of the started draft-service (default: all cores).
+    /// Compute threads of the started draft-service (default: all cores; with --two-host one
+    /// per CPU of --draft-cpus). With --draft-addr only recorded in the report.
     #[arg(long)]
     pub draft_threads: Option<usize>,
-    /// Compute threads of the started verify-service (default: all cores).
+    /// Compute threads of the started verify-service (default: all cores; with --two-host one
+    /// per CPU of --verify-cpus). With --draft-addr only recorded in the report.
     #[arg(long)]
     pub verify_threads: Option<usize>,
     /// Round-trip time (ms) added between the started services by an in-process delay proxy;
