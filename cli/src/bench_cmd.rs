@@ -15,6 +15,10 @@
 //! | `kxd-best:B` | the best K×D with K·D ≤ B under the acceptance vector |
 //! | `sequoia:B` | the Sequoia-optimal tree of B drafted tokens (B + 1 nodes) |
 //! | `auto` | whatever the draft-service's planner picks (tree.mode = "auto") |
+//! | `M+pipe` | method M with pipelined drafting (`GenerateRequest.pipeline = true`) |
+//!
+//! Every request states `pipeline` explicitly (true only for `+pipe` methods), so the service's
+//! `pipeline.enabled` default does not change what a method measures.
 //!
 //! Budgets count *drafted* tokens, so `chain:4`, `kxd:2x2` and `sequoia:4` all verify 5 nodes.
 //! The Sequoia and `kxd-best` trees are planned from an acceptance vector measured at the start
@@ -25,7 +29,9 @@
 //! `deploy/local/two-hosts.sh`) with `--target-addr` for the target-only baseline (a draft-service
 //! next to the verify node; root-only trees make it plain target decoding on the verify host), or
 //! no address: both services are spawned here like `sequoia demo` (optionally with a delay proxy
-//! between them, `--rtt-ms`).
+//! between them, `--rtt-ms`, `--bandwidth-mbps`). `--two-host` runs the whole bench across the
+//! two-host emulation instead (`crate::two_host`, which calls the script, which calls this
+//! command again with `--draft-addr`).
 //!
 //! Every finished (prompt, method, temperature) run is appended to `OUT/results.jsonl`; a
 //! restarted bench skips what is already there. The report (`report.json`, `report.md`, PNG
@@ -47,6 +53,7 @@ use run::*;
 use services::*;
 
 use crate::client_cmds::{free_port, wait_ready, Service};
+use crate::two_host::{self, TwoHostArgs};
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use sequoia_core::planner::{k_by_d_expected, SequoiaDp, EXAMPLE_ACCEPTANCE};
@@ -90,7 +97,7 @@ pub struct BenchArgs {
     /// Methods: target (root-only trees = plain target decoding, the baseline), chain:L (L
     /// drafted tokens in a chain), kxd:KxD (K chains of D), kxd-best:B (best K×D with K·D ≤ B),
     /// sequoia:B (Sequoia-optimal tree of B drafted tokens, B + 1 nodes), auto (the service's
-    /// own planner).
+    /// own planner); any of them with +pipe (e.g. auto+pipe) drafts pipelined.
     #[arg(
         long,
         value_delimiter = ',',
@@ -130,10 +137,12 @@ pub struct BenchArgs {
     /// --draft-addr.
     #[arg(long, default_value = sequoia_models::QWEN_CODER_1_5B)]
     pub target: String,
-    /// Compute threads of the started draft-service (default: all cores).
+    /// Compute threads of the started draft-service (default: all cores; with --two-host one
+    /// per CPU of --draft-cpus). With --draft-addr only recorded in the report.
     #[arg(long)]
     pub draft_threads: Option<usize>,
-    /// Compute threads of the started verify-service (default: all cores).
+    /// Compute threads of the started verify-service (default: all cores; with --two-host one
+    /// per CPU of --verify-cpus). With --draft-addr only recorded in the report.
     #[arg(long)]
     pub verify_threads: Option<usize>,
     /// Round-trip time (ms) added between the started services by an in-process delay proxy;
@@ -160,6 +169,88 @@ pub struct BenchArgs {
     /// Skip the PNG charts.
     #[arg(long)]
     pub no_charts: bool,
+
+    #[command(flatten)]
+    pub two: TwoHostArgs,
+}
+
+/// The default --out-dir; with --two-host the script then picks a directory per mode and RTT.
+const DEFAULT_OUT_DIR: &str = "bench-out";
+
+/// `sequoia bench --two-host`: hand everything to the two-host script.
+fn bench_two_host(args: &BenchArgs) -> Result<()> {
+    if args.draft_addr.is_some() {
+        bail!("--two-host starts its own services; drop --draft-addr/--target-addr");
+    }
+    let join = |v: &[String]| v.join(",");
+    let nums = |v: &[f64]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let mut a: Vec<String> = vec![
+        "--prompts".into(),
+        two_host::absolute(&args.prompts)?.display().to_string(),
+        "--max-prompts-per-category".into(),
+        args.max_prompts_per_category.to_string(),
+        "--max-tokens".into(),
+        args.max_tokens.to_string(),
+        "--temperatures".into(),
+        join(
+            &args
+                .temperatures
+                .iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>(),
+        ),
+        "--methods".into(),
+        join(&args.methods),
+        "--seed".into(),
+        args.seed.to_string(),
+        "--max-levels".into(),
+        args.max_levels.to_string(),
+        "--calibration-prompts".into(),
+        args.calibration_prompts.to_string(),
+    ];
+    if !args.categories.is_empty() {
+        a.extend(["--categories".into(), join(&args.categories)]);
+    }
+    if let Some(p) = &args.acceptance {
+        a.extend(["--acceptance".into(), join(&nums(p))]);
+    }
+    if let Some(l) = &args.label {
+        a.extend(["--label".into(), l.clone()]);
+    }
+    for (on, flag) in [
+        (args.raw, "--raw"),
+        (args.restart, "--restart"),
+        (args.no_charts, "--no-charts"),
+    ] {
+        if on {
+            a.push(flag.into());
+        }
+    }
+    let setup = two_host::Setup {
+        mode: "bench",
+        rtt_ms: args.rtt_ms,
+        draft: model_arg(&args.draft)?,
+        target: model_arg(&args.target)?,
+        draft_threads: args.draft_threads,
+        verify_threads: args.verify_threads,
+        auto_max_nodes: args.auto_max_nodes,
+        out_dir: (args.out_dir != Path::new(DEFAULT_OUT_DIR))
+            .then(|| two_host::absolute(&args.out_dir))
+            .transpose()?,
+        bin: two_host::bin_dir()?,
+    };
+    two_host::run_script(&args.two, &setup, &a)
+}
+
+/// A model argument for the script: a file as an absolute path (the script runs from the
+/// repository root), a default model name as it is.
+pub(crate) fn model_arg(m: &str) -> Result<String> {
+    let p = Path::new(m);
+    Ok(if p.exists() {
+        two_host::absolute(p)?.display().to_string()
+    } else {
+        m.to_string()
+    })
 }
 
 /// The `sequoia bench` command.
@@ -175,6 +266,18 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
     }
     if !(args.rtt_ms.is_finite() && args.rtt_ms >= 0.0) {
         bail!("--rtt-ms must be a non-negative number");
+    }
+    args.two.validate()?;
+    if args.two.two_host && !args.report_only {
+        return bench_two_host(args);
+    }
+    if args.draft_addr.is_none()
+        && (args.two.draft_cpus.is_some() || args.two.verify_cpus.is_some())
+    {
+        bail!(
+            "--draft-cpus/--verify-cpus pin the services of --two-host (or describe given \
+             --draft-addr services); the services spawned here are not pinned"
+        );
     }
     if args.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -231,7 +334,7 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         None => {
             let s = spawn_services(args, &rt)?;
             let (d, b) = (s.draft_url.clone(), s.baseline_url.clone());
-            let how = if args.rtt_ms > 0.0 {
+            let how = if args.rtt_ms > 0.0 || args.two.bandwidth_mbps > 0.0 {
                 "root-only trees through a draft-service connected to verify without the delay"
             } else {
                 "root-only trees through the same draft-service"
@@ -252,6 +355,11 @@ pub fn bench(args: &BenchArgs) -> Result<()> {
         rtt_ms: args.rtt_ms,
         label: args.label.clone(),
         machine: machine_description(),
+        draft_cpus: args.two.draft_cpus.clone(),
+        verify_cpus: args.two.verify_cpus.clone(),
+        draft_threads: args.draft_threads,
+        verify_threads: args.verify_threads,
+        bandwidth_mbps: args.two.bandwidth_mbps,
     };
     let mut log = ResultsLog::open(&results, &config)?;
     let outcome = rt.block_on(run_all(
@@ -289,10 +397,21 @@ mod tests {
             "kxd:2x3",
             "kxd-best:8",
             "sequoia:16",
+            "auto+pipe",
+            "chain:4+pipe",
+            "target+pipe",
         ] {
             let m: Method = s.parse().unwrap();
             assert_eq!(m.to_string(), s);
+            assert_eq!(m.is_pipelined(), s.ends_with("+pipe"));
+            assert_eq!(m.base().to_string(), s.trim_end_matches("+pipe"));
         }
+        assert!(Method::Target.is_baseline());
+        assert!(!"target+pipe".parse::<Method>().unwrap().is_baseline());
+        assert_eq!(
+            "sequoia:8+pipe".parse::<Method>().unwrap().family(),
+            "sequoia"
+        );
         assert_eq!(
             "kxd:2X3".parse::<Method>().unwrap(),
             Method::KxD { k: 2, d: 3 }
@@ -306,6 +425,9 @@ mod tests {
             "foo",
             "target:1",
             "sequoia:600",
+            "auto+pipe+pipe",
+            "+pipe",
+            "chain:0+pipe",
         ] {
             assert!(bad.parse::<Method>().is_err(), "{bad} should not parse");
         }
@@ -330,6 +452,8 @@ mod tests {
         assert_eq!(nodes("sequoia:4"), Some(5));
         assert_eq!(nodes("sequoia:16"), Some(17));
         assert_eq!(nodes("auto"), None);
+        assert_eq!(nodes("auto+pipe"), None);
+        assert_eq!(nodes("sequoia:4+pipe"), nodes("sequoia:4"));
         let best = Method::KxDBest(8).tree(p, 8).unwrap().unwrap();
         assert!(best.len() <= 9);
         // Sequoia is at least as good as every same-budget baseline under its own vector.
@@ -450,6 +574,11 @@ mod tests {
             rtt_ms: 0.0,
             label: None,
             machine: String::new(),
+            draft_cpus: None,
+            verify_cpus: None,
+            draft_threads: None,
+            verify_threads: None,
+            bandwidth_mbps: 0.0,
         };
         {
             let mut log = ResultsLog::open(&path, &config).unwrap();
@@ -552,7 +681,7 @@ mod tests {
             "--max-tokens",
             "12",
             "--methods",
-            "target,chain:2,kxd:2x2,kxd-best:4,sequoia:4,auto",
+            "target,chain:2,kxd:2x2,kxd-best:4,sequoia:4,auto,chain:2+pipe",
             "--out-dir",
             out.to_str().unwrap(),
             "--no-charts",
@@ -570,8 +699,8 @@ mod tests {
             .collect();
         assert_eq!(
             runs.len(),
-            2 * 2 * 6,
-            "2 prompts × 2 temperatures × 6 methods"
+            2 * 2 * 7,
+            "2 prompts × 2 temperatures × 7 methods"
         );
         assert!(runs.iter().all(|r| r.error.is_none()));
         let cal = records
@@ -588,6 +717,12 @@ mod tests {
                 // The DP leaves out nodes worth nothing under the measured vector.
                 "sequoia:4" | "kxd-best:4" => assert!((2..=5).contains(&r.nodes), "{r:?}"),
                 "auto" => assert_eq!(r.plan_mode, "auto"),
+                "chain:2+pipe" => {
+                    assert_eq!(r.nodes, 3);
+                    assert!(r.pipeline);
+                    // Every step after the first either had its tree grown ahead or not.
+                    assert!(r.pipeline_hits + r.pipeline_misses < r.steps, "{r:?}");
+                }
                 _ => {}
             }
         }
@@ -608,6 +743,17 @@ mod tests {
         let rep: serde_json::Value =
             serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
         assert_eq!(rep["complete_groups"], 4);
+        let cells = rep["cells"].as_array().unwrap();
+        let pipe = cells
+            .iter()
+            .find(|c| c["method"] == "chain:2+pipe" && c["category"] == "overall")
+            .unwrap();
+        assert!(pipe["pipeline_hits"].is_u64(), "{pipe}");
+        let auto = cells
+            .iter()
+            .find(|c| c["method"] == "auto" && c["category"] == "overall")
+            .unwrap();
+        assert!(auto["predicted_speedup"].as_f64().unwrap() > 0.0, "{auto}");
         let md = std::fs::read_to_string(out.join("report.md")).unwrap();
         assert!(md.contains("| **overall** |"), "{md}");
 

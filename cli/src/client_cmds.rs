@@ -1,5 +1,7 @@
 //! `sequoia generate` (a client of draft-service's Generation API) and `sequoia demo` (both
-//! services on this machine, one generation through them, and the target alone for comparison).
+//! services on this machine, one generation through them, and the target alone for comparison;
+//! or the same across the two-host emulation with `--two-host`, where the script starts the
+//! services and runs `sequoia demo --draft-addr ... --target-addr ...` on the draft host).
 
 use anyhow::{bail, Context, Result};
 use sequoia_core::sampling::{
@@ -199,6 +201,207 @@ pub struct DemoArgs {
     /// Skip the target-only comparison run.
     #[arg(long)]
     pub no_baseline: bool,
+    /// Send the prompt text raw instead of as a chat message (models without a chat template).
+    #[arg(long)]
+    pub raw: bool,
+    /// Draft pipelined (GenerateRequest.pipeline = true): grow the next tree while the current
+    /// one is verified.
+    #[arg(long)]
+    pub pipeline: bool,
+    /// Round-trip time (ms) added between the hosts; needs --two-host.
+    #[arg(long, default_value_t = 0.0)]
+    pub rtt_ms: f64,
+    /// Compute threads of the draft-service (default: all cores; with --two-host: one per CPU
+    /// of --draft-cpus).
+    #[arg(long)]
+    pub draft_threads: Option<usize>,
+    /// Compute threads of the verify-service (as --draft-threads, for --verify-cpus).
+    #[arg(long)]
+    pub verify_threads: Option<usize>,
+    /// Use this running draft-service instead of starting the services (what --two-host does
+    /// on the draft host).
+    #[arg(long)]
+    pub draft_addr: Option<String>,
+    /// With --draft-addr: a draft-service next to the verify node for the target-only baseline
+    /// (root-only trees); default: the target alone in this process.
+    #[arg(long, requires = "draft_addr")]
+    pub target_addr: Option<String>,
+    #[command(flatten)]
+    pub two: crate::two_host::TwoHostArgs,
+}
+
+/// `sequoia demo --two-host`: the script starts the services and runs the demo on the draft
+/// host against them.
+fn demo_two_host(args: &DemoArgs) -> Result<()> {
+    if args.draft_addr.is_some() {
+        bail!("--two-host starts its own services; drop --draft-addr/--target-addr");
+    }
+    let mut a = vec![
+        "--prompt".to_string(),
+        args.prompt.clone(),
+        "--max-tokens".into(),
+        args.max_tokens.to_string(),
+        "--temperature".into(),
+        args.temperature.to_string(),
+    ];
+    for (on, flag) in [
+        (args.no_baseline, "--no-baseline"),
+        (args.pipeline, "--pipeline"),
+        (args.raw, "--raw"),
+    ] {
+        if on {
+            a.push(flag.into());
+        }
+    }
+    let setup = crate::two_host::Setup {
+        mode: "demo",
+        rtt_ms: args.rtt_ms,
+        draft: crate::bench_cmd::model_arg(&args.draft)?,
+        target: crate::bench_cmd::model_arg(&args.target)?,
+        draft_threads: args.draft_threads,
+        verify_threads: args.verify_threads,
+        auto_max_nodes: Some(args.nodes),
+        out_dir: None,
+        bin: crate::two_host::bin_dir()?,
+    };
+    crate::two_host::run_script(&args.two, &setup, &a)
+}
+
+/// The demo's request through the service pair.
+fn demo_request(args: &DemoArgs) -> GenerateRequest {
+    let gen_args = GenerateArgs {
+        addr: String::new(),
+        prompt: args.prompt.clone(),
+        raw: args.raw,
+        max_tokens: args.max_tokens,
+        temperature: args.temperature,
+        top_p: 1.0,
+        top_k: 0,
+        seed: Some(0),
+        stop: vec![],
+        json: false,
+        token: None,
+        ca_cert: None,
+    };
+    let mut req = request_of(&gen_args);
+    if args.pipeline {
+        req.pipeline = Some(true);
+    }
+    req
+}
+
+/// One line about the generation through the pair, with the pipeline counters if it pipelined.
+fn print_pair_report(report: &GenerateReport) {
+    let pipe = report
+        .summary
+        .as_ref()
+        .filter(|s| s.pipeline_hits + s.pipeline_misses > 0)
+        .map_or(String::new(), |s| {
+            format!(
+                ", pipeline {} hits / {} misses ({:.1} ms drafted ahead in vain)",
+                s.pipeline_hits, s.pipeline_misses, s.pipeline_wasted_ms
+            )
+        });
+    eprintln!(
+        "\n[service pair: {} tokens in {} steps, {:.2} tokens/step, {:.2} tokens/s{pipe}]",
+        report.tokens.len(),
+        report.steps,
+        report.mean_tokens_per_step,
+        report.tokens_per_second
+    );
+}
+
+/// Compare the pair's output and speed with the target-only run.
+fn compare_with_baseline(args: &DemoArgs, report: &GenerateReport, tokens: &[u32], tps: f64) {
+    if args.temperature == 0.0 {
+        let same = tokens == report.tokens.as_slice();
+        eprintln!(
+            "greedy outputs {}",
+            if same {
+                "identical".to_string()
+            } else {
+                format!(
+                    "differ (first difference at token {})",
+                    first_diff(tokens, &report.tokens)
+                )
+            }
+        );
+    }
+    if report.tokens_per_second > 0.0 && tps > 0.0 {
+        eprintln!(
+            "speedup of the service pair over the target alone: {:.2}x",
+            report.tokens_per_second / tps
+        );
+    }
+}
+
+/// `sequoia demo --draft-addr`: the demo against services that are already running.
+fn demo_given(args: &DemoArgs, addr: &str) -> Result<()> {
+    let rt = tokio::runtime::Runtime::new()?;
+    let side = |cpus: &Option<String>, threads: Option<usize>| {
+        format!(
+            "CPUs {}, {} threads",
+            cpus.as_deref().unwrap_or("any"),
+            threads.map_or("default".to_string(), |t| t.to_string())
+        )
+    };
+    eprintln!(
+        "== setup: draft {}; verify {}; RTT +{} ms; bandwidth {}",
+        side(&args.two.draft_cpus, args.draft_threads),
+        side(&args.two.verify_cpus, args.verify_threads),
+        args.rtt_ms,
+        if args.two.bandwidth_mbps > 0.0 {
+            format!("{} Mbit/s", args.two.bandwidth_mbps)
+        } else {
+            "unlimited".into()
+        }
+    );
+    eprintln!(
+        "== generating through the draft-service at {addr} (T = {}{})\n",
+        args.temperature,
+        if args.pipeline { ", pipelined" } else { "" }
+    );
+    let security = ClientSecurity::default();
+    let report = rt.block_on(run_generate(addr, &security, demo_request(args), false))?;
+    print_pair_report(&report);
+    if args.no_baseline {
+        return Ok(());
+    }
+    let (tokens, tps) = match &args.target_addr {
+        Some(base) => {
+            eprintln!("== the same prompt, target only (root-only trees through {base})");
+            let mut req = demo_request(args);
+            req.tree_parents = sequoia_core::tree::Tree::chain(1).parents().to_vec();
+            req.pipeline = Some(false);
+            let r = rt.block_on(run_generate(base, &security, req, true))?;
+            (r.tokens, r.tokens_per_second)
+        }
+        None => {
+            eprintln!("== the same prompt decoded by the target alone (in this process)");
+            let params = SamplingParams {
+                temperature: args.temperature,
+                top_k: 0,
+                top_p: 1.0,
+            };
+            let target = resolve(&args.target)?;
+            let (tokens, secs) = target_alone(
+                &target,
+                &args.prompt,
+                args.raw,
+                args.max_tokens as usize,
+                &params,
+            )?;
+            let tps = tokens.len() as f64 / secs;
+            (tokens, tps)
+        }
+    };
+    eprintln!(
+        "[target alone: {} tokens, {:.2} tokens/s]",
+        tokens.len(),
+        tps
+    );
+    compare_with_baseline(args, &report, &tokens, tps);
+    Ok(())
 }
 
 fn resolve(arg: &str) -> Result<PathBuf> {
@@ -338,12 +541,17 @@ pub(crate) async fn wait_ready(svc: &mut Service, url: &str, timeout: Duration) 
 fn target_alone(
     path: &Path,
     prompt_text: &str,
+    raw: bool,
     max_tokens: usize,
     params: &SamplingParams,
 ) -> Result<(Vec<u32>, f64)> {
     let tok = TextTokenizer::load_for_model(path)?;
     let model = Model::load(path, &LoadOptions::default())?;
-    let text = tok.apply_chat_template(&[ChatMessage::user(prompt_text.to_string())], true)?;
+    let text = if raw {
+        prompt_text.to_string()
+    } else {
+        tok.apply_chat_template(&[ChatMessage::user(prompt_text.to_string())], true)?
+    };
     let ids = tok.encode(&text, false)?;
     let mut cache = model.new_cache();
     let mut logits = model.forward_chain_last(&mut cache, &ids)?;
@@ -367,6 +575,27 @@ fn target_alone(
 }
 
 pub fn demo(args: &DemoArgs) -> Result<()> {
+    args.two.validate()?;
+    if !(args.rtt_ms.is_finite() && args.rtt_ms >= 0.0) {
+        bail!("--rtt-ms must be a non-negative number");
+    }
+    if args.two.two_host {
+        return demo_two_host(args);
+    }
+    if let Some(addr) = &args.draft_addr {
+        return demo_given(args, addr);
+    }
+    if args.rtt_ms > 0.0
+        || args.two.bandwidth_mbps > 0.0
+        || args.two.draft_cpus.is_some()
+        || args.two.verify_cpus.is_some()
+    {
+        bail!("--rtt-ms, --bandwidth-mbps and --draft-cpus/--verify-cpus need --two-host");
+    }
+    let threads = |t: Option<usize>| -> Vec<String> {
+        t.map(|t| vec!["--threads".into(), t.to_string()])
+            .unwrap_or_default()
+    };
     eprintln!("== models");
     let draft = resolve(&args.draft)?;
     let target = resolve(&args.target)?;
@@ -383,34 +612,33 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         "== starting verify-service on {verify_url} and draft-service on {draft_url} (logs in {})",
         logs.display()
     );
-    let mut verify = Service::spawn(
-        "verify-service",
-        &[
-            "--model".into(),
-            target.display().to_string(),
-            "--listen".into(),
-            format!("127.0.0.1:{vport}"),
-        ],
-        &[],
-        &logs,
-    )?;
+    let mut verify_args = vec![
+        "--model".into(),
+        target.display().to_string(),
+        "--listen".into(),
+        format!("127.0.0.1:{vport}"),
+    ];
+    verify_args.extend(threads(args.verify_threads));
+    let mut verify = Service::spawn("verify-service", &verify_args, &[], &logs)?;
     rt.block_on(wait_ready(
         &mut verify,
         &verify_url,
         Duration::from_secs(300),
     ))?;
+    let mut draft_args = vec![
+        "--model".into(),
+        draft.display().to_string(),
+        "--verify".into(),
+        verify_url.clone(),
+        "--listen".into(),
+        format!("127.0.0.1:{dport}"),
+        "--http-listen".into(),
+        format!("127.0.0.1:{hport}"),
+    ];
+    draft_args.extend(threads(args.draft_threads));
     let mut drafter = Service::spawn(
         "draft-service",
-        &[
-            "--model".into(),
-            draft.display().to_string(),
-            "--verify".into(),
-            verify_url.clone(),
-            "--listen".into(),
-            format!("127.0.0.1:{dport}"),
-            "--http-listen".into(),
-            format!("127.0.0.1:{hport}"),
-        ],
+        &draft_args,
         // The tree budget goes through the environment layer of the config.
         &[("SEQUOIA_TREE__NODES", args.nodes.to_string())],
         &logs,
@@ -430,35 +658,15 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         "== generating through the service pair (T = {})\n",
         args.temperature
     );
-    let gen_args = GenerateArgs {
-        addr: draft_url.clone(),
-        prompt: args.prompt.clone(),
-        raw: false,
-        max_tokens: args.max_tokens,
-        temperature: args.temperature,
-        top_p: 1.0,
-        top_k: 0,
-        seed: Some(0),
-        stop: vec![],
-        json: false,
-        token: None,
-        ca_cert: None,
-    };
     let report = rt.block_on(run_generate(
         &draft_url,
         &ClientSecurity::default(),
-        request_of(&gen_args),
+        demo_request(args),
         false,
     ))?;
     drafter.stop();
     verify.stop();
-    eprintln!(
-        "\n[service pair: {} tokens in {} steps, {:.2} tokens/step, {:.2} tokens/s]",
-        report.tokens.len(),
-        report.steps,
-        report.mean_tokens_per_step,
-        report.tokens_per_second
-    );
+    print_pair_report(&report);
     if args.no_baseline {
         return Ok(());
     }
@@ -468,33 +676,20 @@ pub fn demo(args: &DemoArgs) -> Result<()> {
         top_k: 0,
         top_p: 1.0,
     };
-    let (tokens, secs) = target_alone(&target, &args.prompt, args.max_tokens as usize, &params)?;
+    let (tokens, secs) = target_alone(
+        &target,
+        &args.prompt,
+        args.raw,
+        args.max_tokens as usize,
+        &params,
+    )?;
     let tps = tokens.len() as f64 / secs;
     eprintln!(
         "[target alone: {} tokens, {:.2} tokens/s]",
         tokens.len(),
         tps
     );
-    if args.temperature == 0.0 {
-        let same = tokens == report.tokens;
-        eprintln!(
-            "greedy outputs {}",
-            if same {
-                "identical".to_string()
-            } else {
-                format!(
-                    "differ (first difference at token {})",
-                    first_diff(&tokens, &report.tokens)
-                )
-            }
-        );
-    }
-    if report.tokens_per_second > 0.0 && tps > 0.0 {
-        eprintln!(
-            "speedup of the service pair over the target alone: {:.2}x",
-            report.tokens_per_second / tps
-        );
-    }
+    compare_with_baseline(args, &report, &tokens, tps);
     Ok(())
 }
 

@@ -10,6 +10,12 @@
 //! sender (backpressure). A half-close (EOF) is forwarded after the data before it; an error on
 //! either side tears the whole connection down. `TCP_NODELAY` is set on both sockets so small
 //! messages (gRPC frames) are not held back by Nagle's algorithm.
+//!
+//! With a bandwidth cap (`--bandwidth-mbps`), each direction also behaves like a link of that
+//! rate: a chunk occupies the link for its serialization time (bytes·8/rate) after the chunk
+//! before it has left, so a large message arrives later than a small one and back-to-back chunks
+//! queue behind each other, as on a real link. The one-way delay comes on top. See
+//! [`Pacer::release`].
 
 use anyhow::{Context, Result};
 use std::future::Future;
@@ -39,6 +45,64 @@ pub struct NetDelayArgs {
     /// Round-trip time to add, in milliseconds (half of it in each direction).
     #[arg(long, default_value_t = 0.0)]
     pub delay_ms: f64,
+    /// Link rate in megabits per second, per direction (0 = unlimited): each chunk is held back
+    /// by its serialization time, bytes·8/rate µs, on top of the delay.
+    #[arg(long, default_value_t = 0.0)]
+    pub bandwidth_mbps: f64,
+}
+
+/// The link model of one direction: when each chunk leaves it.
+///
+/// A chunk read at `arrival` starts onto the link when both it has arrived and the previous
+/// chunk has finished serializing (`busy_until`), occupies it for `bytes·8/rate`, and is
+/// delivered `one_way` after it has fully left. Release times therefore never decrease, which
+/// keeps the byte order; with no rate the chunk is released at `arrival + one_way`.
+#[derive(Debug, Clone, Copy)]
+pub struct Pacer {
+    one_way: Duration,
+    /// Bits per microsecond (= megabits per second); 0 = unlimited.
+    mbps: f64,
+    /// When the link finishes sending the last chunk given to it.
+    busy_until: Option<Instant>,
+}
+
+impl Pacer {
+    pub fn new(one_way: Duration, mbps: f64) -> Self {
+        Self {
+            one_way,
+            mbps: if mbps.is_finite() && mbps > 0.0 {
+                mbps
+            } else {
+                0.0
+            },
+            busy_until: None,
+        }
+    }
+
+    /// Serialization time of `bytes` at the link rate (zero when unlimited).
+    pub fn serialization(&self, bytes: usize) -> Duration {
+        if self.mbps == 0.0 {
+            return Duration::ZERO;
+        }
+        // bits / (bits per µs) = µs; rounded to whole nanoseconds.
+        Duration::from_nanos((bytes as f64 * 8e3 / self.mbps).round() as u64)
+    }
+
+    /// When a chunk of `bytes` read at `arrival` is to be written to the other side.
+    pub fn release(&mut self, arrival: Instant, bytes: usize) -> Instant {
+        let start = match self.busy_until {
+            Some(busy) if busy > arrival => busy,
+            _ => arrival,
+        };
+        let sent = start + self.serialization(bytes);
+        self.busy_until = Some(sent);
+        sent + self.one_way
+    }
+
+    /// Whether chunks are released at once (no delay, no rate limit).
+    pub fn is_instant(&self) -> bool {
+        self.one_way.is_zero() && self.mbps == 0.0
+    }
 }
 
 /// A bound delay proxy; [`run`](Self::run) serves it.
@@ -46,11 +110,13 @@ pub struct DelayProxy {
     listener: TcpListener,
     upstream: String,
     one_way: Duration,
+    mbps: f64,
 }
 
 impl DelayProxy {
-    /// Bind `listen`; connections will go to `upstream` with `rtt` added to their round trip.
-    pub async fn bind(listen: &str, upstream: &str, rtt: Duration) -> Result<Self> {
+    /// Bind `listen`; connections will go to `upstream` with `rtt` added to their round trip
+    /// and, unless `mbps` is 0, a link rate of `mbps` megabits per second in each direction.
+    pub async fn bind(listen: &str, upstream: &str, rtt: Duration, mbps: f64) -> Result<Self> {
         let listener = TcpListener::bind(listen)
             .await
             .with_context(|| format!("cannot listen on {listen}"))?;
@@ -58,6 +124,7 @@ impl DelayProxy {
             listener,
             upstream: upstream.to_string(),
             one_way: rtt / 2,
+            mbps,
         })
     }
 
@@ -84,9 +151,9 @@ impl DelayProxy {
                         }
                     };
                     let upstream = self.upstream.clone();
-                    let one_way = self.one_way;
+                    let pacer = Pacer::new(self.one_way, self.mbps);
                     conns.spawn(async move {
-                        if let Err(e) = forward(client, &upstream, one_way).await {
+                        if let Err(e) = forward(client, &upstream, pacer).await {
                             tracing::debug!(%peer, error = %e, "connection ended with an error");
                         }
                     });
@@ -101,7 +168,7 @@ impl DelayProxy {
 }
 
 /// Connect to `upstream` and pump both directions until both are done or one fails.
-async fn forward(client: TcpStream, upstream: &str, one_way: Duration) -> Result<()> {
+async fn forward(client: TcpStream, upstream: &str, pacer: Pacer) -> Result<()> {
     let server = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(upstream))
         .await
         .with_context(|| format!("connecting to {upstream} timed out"))?
@@ -110,8 +177,9 @@ async fn forward(client: TcpStream, upstream: &str, one_way: Duration) -> Result
     server.set_nodelay(true)?;
     let (cr, cw) = client.into_split();
     let (sr, sw) = server.into_split();
-    let up = pump(cr, sw, one_way);
-    let down = pump(sr, cw, one_way);
+    // Each direction is a link of its own (full duplex).
+    let up = pump(cr, sw, pacer);
+    let down = pump(sr, cw, pacer);
     tokio::pin!(up, down);
     // A clean EOF on one side still lets the other direction finish; an error ends both.
     tokio::select! {
@@ -120,14 +188,15 @@ async fn forward(client: TcpStream, upstream: &str, one_way: Duration) -> Result
     }
 }
 
-/// Copy `reader` to `writer`, delaying each chunk by `delay` from the moment it was read, then
-/// forward the EOF as a write shutdown.
-async fn pump<R, W>(mut reader: R, mut writer: W, delay: Duration) -> Result<()>
+/// Copy `reader` to `writer`, releasing each chunk when `pacer` says (its delay and
+/// serialization time from the moment it was read), then forward the EOF as a write shutdown.
+async fn pump<R, W>(mut reader: R, mut writer: W, mut pacer: Pacer) -> Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let (tx, mut rx) = mpsc::channel::<(Instant, Vec<u8>)>(QUEUE_CHUNKS);
+    let instant = pacer.is_instant();
     let read_side = async move {
         let mut buf = vec![0u8; CHUNK_BYTES];
         loop {
@@ -135,7 +204,7 @@ where
             if n == 0 {
                 return Ok::<_, std::io::Error>(()); // EOF: dropping tx ends the write side
             }
-            let due = Instant::now() + delay;
+            let due = pacer.release(Instant::now(), n);
             if tx.send((due, buf[..n].to_vec())).await.is_err() {
                 return Ok(()); // the write side failed and said why
             }
@@ -143,7 +212,7 @@ where
     };
     let write_side = async move {
         while let Some((due, data)) = rx.recv().await {
-            if !delay.is_zero() {
+            if !instant {
                 tokio::time::sleep_until(due).await;
             }
             writer.write_all(&data).await?;
@@ -165,12 +234,21 @@ pub fn net_delay(args: &NetDelayArgs) -> Result<()> {
     if !(args.delay_ms.is_finite() && args.delay_ms >= 0.0) {
         anyhow::bail!("--delay-ms must be a non-negative number");
     }
+    if !(args.bandwidth_mbps.is_finite() && args.bandwidth_mbps >= 0.0) {
+        anyhow::bail!("--bandwidth-mbps must be a non-negative number (0 = unlimited)");
+    }
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
         let rtt = Duration::from_secs_f64(args.delay_ms / 1e3);
-        let proxy = DelayProxy::bind(&args.listen, &args.upstream, rtt).await?;
+        let proxy =
+            DelayProxy::bind(&args.listen, &args.upstream, rtt, args.bandwidth_mbps).await?;
+        let rate = if args.bandwidth_mbps > 0.0 {
+            format!("{} Mbit/s each way", args.bandwidth_mbps)
+        } else {
+            "unlimited bandwidth".to_string()
+        };
         eprintln!(
-            "net-delay: {} -> {} with {} ms added round-trip time ({} ms each way)",
+            "net-delay: {} -> {} with {} ms added round-trip time ({} ms each way), {rate}",
             proxy.local_addr()?,
             args.upstream,
             args.delay_ms,
@@ -231,6 +309,7 @@ mod tests {
             "127.0.0.1:0",
             &upstream.to_string(),
             Duration::from_millis(rtt_ms),
+            0.0,
         )
         .await
         .unwrap();
@@ -282,6 +361,46 @@ mod tests {
         r.read_to_end(&mut back).await.unwrap();
         writer.await.unwrap();
         back
+    }
+
+    #[test]
+    fn pacer_adds_serialization_time_and_queues_chunks() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        // 8 Mbit/s = 1 byte per µs: 1000 bytes take 1 ms on the link.
+        let mut p = Pacer::new(ms(5), 8.0);
+        assert_eq!(p.serialization(1000), ms(1));
+        assert_eq!(p.release(t0, 1000), t0 + ms(1) + ms(5));
+        // A chunk arriving while the link is busy waits for it: sent at 1 + 2 ms.
+        assert_eq!(p.release(t0 + ms(0), 2000), t0 + ms(3) + ms(5));
+        // One arriving after the link went idle starts at once.
+        assert_eq!(
+            p.release(t0 + ms(10), 500),
+            t0 + ms(10) + ms(5) / 10 + ms(5)
+        );
+    }
+
+    #[test]
+    fn pacer_without_a_rate_only_delays_and_keeps_order() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut p = Pacer::new(ms(5), 0.0);
+        assert!(!p.is_instant());
+        assert_eq!(p.serialization(1 << 20), Duration::ZERO);
+        assert_eq!(p.release(t0, 1 << 20), t0 + ms(5));
+        assert_eq!(p.release(t0 + ms(1), 10), t0 + ms(6));
+        assert!(Pacer::new(Duration::ZERO, 0.0).is_instant());
+        assert!(!Pacer::new(Duration::ZERO, 100.0).is_instant());
+        // Nonsense rates mean unlimited.
+        assert!(Pacer::new(Duration::ZERO, -3.0).is_instant());
+        // Release times never decrease, whatever the arrival pattern: order is preserved.
+        let mut p = Pacer::new(ms(2), 1.0);
+        let mut last = t0;
+        for (i, bytes) in [100usize, 1, 5000, 0, 64 * 1024].into_iter().enumerate() {
+            let r = p.release(t0 + ms(i as u64), bytes);
+            assert!(r >= last);
+            last = r;
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,7 +481,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn shutdown_stops_accepting_and_closes_connections() {
         let echo = echo_server().await;
-        let p = DelayProxy::bind("127.0.0.1:0", &echo.to_string(), Duration::ZERO)
+        let p = DelayProxy::bind("127.0.0.1:0", &echo.to_string(), Duration::ZERO, 0.0)
             .await
             .unwrap();
         let addr = p.local_addr().unwrap();

@@ -11,6 +11,7 @@ mod delay_proxy;
 mod engine_cmds;
 mod tree_cmds;
 mod tree_plot;
+mod two_host;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};

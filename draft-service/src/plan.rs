@@ -8,7 +8,7 @@
 use crate::config::TreeConfig;
 use sequoia_core::limits;
 use sequoia_core::planner::cost::{
-    choose, CostCurve, NetworkProfile, NodeCosts, Prediction, Profile,
+    choose_pipelined, CostCurve, NetworkProfile, NodeCosts, Prediction, Profile,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
 use sequoia_core::stats::RankCounts;
@@ -249,7 +249,14 @@ impl Planner {
     }
 
     /// The plan for a new generation (or a re-plan), given the node's costs in auto mode.
-    pub fn plan(&self, costs: Option<&NodeCosts>, greedy: bool) -> Result<ActivePlan, String> {
+    /// `pipeline_hit`: the generation drafts pipelined, with this estimated hit probability
+    /// (the step time then overlaps drafting with verification, docs/ALGORITHMS.md §5.2).
+    pub fn plan(
+        &self,
+        costs: Option<&NodeCosts>,
+        greedy: bool,
+        pipeline_hit: Option<f64>,
+    ) -> Result<ActivePlan, String> {
         let p = self
             .counts(greedy)
             .lock()
@@ -279,7 +286,8 @@ impl Planner {
             note: String::new(),
         };
         let q = if greedy { 0 } else { self.wire_top_k };
-        let auto = choose(&profile, &p, self.cfg.nodes, self.cfg.max_levels, q)
+        let (nodes, levels) = (self.cfg.nodes, self.cfg.max_levels);
+        let auto = choose_pipelined(&profile, &p, nodes, levels, q, pipeline_hit)
             .map_err(|e| e.to_string())?;
         let best = auto.best;
         let mut plan = ActivePlan::fixed(&p, best.nodes, best.levels).map_err(|e| e.to_string())?;
@@ -289,14 +297,8 @@ impl Planner {
                 PRIOR_TRIALS,
                 PROBE_CONFIDENCE_Z,
             );
-            let hope = choose(
-                &profile,
-                &optimistic,
-                self.cfg.nodes,
-                self.cfg.max_levels,
-                q,
-            )
-            .map_err(|e| e.to_string())?;
+            let hope = choose_pipelined(&profile, &optimistic, nodes, levels, q, pipeline_hit)
+                .map_err(|e| e.to_string())?;
             plan.probe = hope.best.nodes > 1;
         }
         plan.prediction = Some(best);

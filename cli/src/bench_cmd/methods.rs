@@ -1,5 +1,5 @@
 //! The methods a benchmark compares (`target`, `chain:L`, `kxd:KxD`, `kxd-best:B`,
-//! `sequoia:B`, `auto`) and the tree each one drafts.
+//! `sequoia:B`, `auto`, and any of them with `+pipe`) and the tree each one drafts.
 
 use super::*;
 
@@ -18,7 +18,13 @@ pub enum Method {
     Sequoia(usize),
     /// The draft-service's own planner.
     Auto,
+    /// The inner method with pipelined drafting (`GenerateRequest.pipeline = true`): the same
+    /// trees, with the next one grown while the current one is verified.
+    Pipelined(Box<Method>),
 }
+
+/// Suffix of the pipelined variant of a method.
+pub const PIPE_SUFFIX: &str = "+pipe";
 
 /// Forced trees are limited to this many drafted tokens (the draft-service accepts 512 nodes).
 pub(super) const MAX_BUDGET: usize = 511;
@@ -28,6 +34,12 @@ impl FromStr for Method {
 
     fn from_str(s: &str) -> Result<Self, String> {
         let s = s.trim();
+        if let Some(inner) = s.strip_suffix(PIPE_SUFFIX) {
+            return match inner.parse::<Method>()? {
+                Method::Pipelined(_) => Err(format!("{s:?}: {PIPE_SUFFIX} given twice")),
+                m => Ok(Method::Pipelined(Box::new(m))),
+            };
+        }
         let budget = |v: &str| -> Result<usize, String> {
             let n: usize = v
                 .parse()
@@ -55,7 +67,8 @@ impl FromStr for Method {
                 Ok(Method::KxD { k, d })
             }
             _ => Err(format!(
-                "unknown method {s:?} (target, chain:L, kxd:KxD, kxd-best:B, sequoia:B, auto)"
+                "unknown method {s:?} (target, chain:L, kxd:KxD, kxd-best:B, sequoia:B, auto, \
+                 each optionally with {PIPE_SUFFIX})"
             )),
         }
     }
@@ -70,14 +83,35 @@ impl fmt::Display for Method {
             Method::KxDBest(b) => write!(f, "kxd-best:{b}"),
             Method::Sequoia(b) => write!(f, "sequoia:{b}"),
             Method::Auto => write!(f, "auto"),
+            Method::Pipelined(m) => write!(f, "{m}{PIPE_SUFFIX}"),
         }
     }
 }
 
 impl Method {
+    /// The method without `+pipe`.
+    pub fn base(&self) -> &Method {
+        match self {
+            Method::Pipelined(m) => m,
+            m => m,
+        }
+    }
+
+    /// Whether requests of this method ask for pipelined drafting.
+    pub fn is_pipelined(&self) -> bool {
+        matches!(self, Method::Pipelined(_))
+    }
+
+    /// Whether this is the target-only baseline (root-only trees, measured on the baseline's
+    /// draft-service); `target+pipe` runs the same trees but next to the other methods.
+    pub fn is_baseline(&self) -> bool {
+        *self == Method::Target
+    }
+
     /// Chart series this method belongs to.
     pub fn family(&self) -> &'static str {
         match self {
+            Method::Pipelined(m) => m.family(),
             Method::Target => "target",
             Method::Chain(_) => "chain",
             Method::KxD { .. } | Method::KxDBest(_) => "kxd",
@@ -89,6 +123,7 @@ impl Method {
     /// The tree to force, planned with acceptance vector `p`; None for `auto`.
     pub fn tree(&self, p: &[f64], max_levels: usize) -> Result<Option<Tree>> {
         Ok(Some(match *self {
+            Method::Pipelined(ref m) => return m.tree(p, max_levels),
             Method::Auto => return Ok(None),
             Method::Target => Tree::chain(1),
             Method::Chain(l) => Tree::chain(l + 1),

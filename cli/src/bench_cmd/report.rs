@@ -35,6 +35,13 @@ struct Acc {
     counts: RankCounts,
     greedy_same: usize,
     greedy_compared: usize,
+    /// Sum and count of the planner's predicted speedups (runs that report one).
+    predicted_sum: f64,
+    predicted_runs: usize,
+    pipelined: bool,
+    pipeline_hits: u64,
+    pipeline_misses: u64,
+    pipeline_wasted_ms: f64,
 }
 
 impl Acc {
@@ -47,6 +54,14 @@ impl Acc {
         self.verify_ms += r.verify_ms;
         self.network_ms += r.network_ms;
         self.nodes += r.nodes as f64;
+        if r.predicted_speedup > 0.0 {
+            self.predicted_sum += r.predicted_speedup;
+            self.predicted_runs += 1;
+        }
+        self.pipelined |= r.pipeline;
+        self.pipeline_hits += r.pipeline_hits as u64;
+        self.pipeline_misses += r.pipeline_misses as u64;
+        self.pipeline_wasted_ms += r.pipeline_wasted_ms;
         self.counts.add(&RankCounts::new(
             r.accepted_by_rank.clone(),
             r.trials_by_rank.clone(),
@@ -68,6 +83,9 @@ pub struct Cell {
     pub tokens_per_second: f64,
     /// Over `target` in the same category and temperature (None without a `target` method).
     pub speedup: Option<f64>,
+    /// The auto planner's predicted speedup (over plain target decoding on the verify node),
+    /// averaged over the runs that report one; None for forced trees.
+    pub predicted_speedup: Option<f64>,
     pub tokens_per_step: f64,
     /// Mean tree nodes (root included) per generation.
     pub mean_nodes: f64,
@@ -81,6 +99,23 @@ pub struct Cell {
     /// T = 0 only: generations whose tokens equal the target-only ones, and how many were
     /// compared.
     pub greedy_identical: Option<(usize, usize)>,
+    /// `+pipe` methods: steps whose tree had been drafted ahead, steps where it had not, and
+    /// the draft time spent ahead in vain, summed over the runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_hits: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_misses: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_wasted_ms: Option<f64>,
+    /// The setup the row was measured on (from the run's configuration): CPU sets and threads
+    /// of the draft and verify sides (None = not pinned / the service's default), the added
+    /// round-trip time and the link rate (Mbit/s per direction, 0 = unlimited).
+    pub draft_cpus: Option<String>,
+    pub verify_cpus: Option<String>,
+    pub draft_threads: Option<usize>,
+    pub verify_threads: Option<usize>,
+    pub rtt_ms: f64,
+    pub bandwidth_mbps: f64,
 }
 
 impl Cell {
@@ -114,6 +149,8 @@ impl Cell {
                 0.0
             },
             speedup: None,
+            predicted_speedup: (a.predicted_runs > 0)
+                .then(|| a.predicted_sum / a.predicted_runs as f64),
             tokens_per_step: rate(a.tokens, a.steps),
             mean_nodes: if a.prompts > 0 {
                 a.nodes / a.prompts as f64
@@ -132,7 +169,48 @@ impl Cell {
                 (a.decode_ms - a.draft_ms - a.network_ms - a.verify_ms).max(0.0),
             ),
             greedy_identical: None,
+            pipeline_hits: a.pipelined.then_some(a.pipeline_hits),
+            pipeline_misses: a.pipelined.then_some(a.pipeline_misses),
+            pipeline_wasted_ms: a.pipelined.then_some(a.pipeline_wasted_ms),
+            draft_cpus: None,
+            verify_cpus: None,
+            draft_threads: None,
+            verify_threads: None,
+            rtt_ms: 0.0,
+            bandwidth_mbps: 0.0,
         }
+    }
+
+    /// Fill in the setup fields from the run's configuration.
+    fn set_setup(&mut self, c: &RunConfig) {
+        self.draft_cpus = c.draft_cpus.clone();
+        self.verify_cpus = c.verify_cpus.clone();
+        self.draft_threads = c.draft_threads;
+        self.verify_threads = c.verify_threads;
+        self.rtt_ms = c.rtt_ms;
+        self.bandwidth_mbps = c.bandwidth_mbps;
+    }
+
+    /// The setup in a few words: "draft 0 ×1 · verify 1 ×1 · RTT 10 ms · 100 Mbit/s".
+    pub fn setup_text(&self) -> String {
+        let side = |cpus: &Option<String>, threads: Option<usize>| {
+            format!(
+                "{} ×{}",
+                cpus.as_deref().unwrap_or("any"),
+                threads.map_or("default".to_string(), |t| t.to_string())
+            )
+        };
+        format!(
+            "draft {} · verify {} · RTT {} ms · {}",
+            side(&self.draft_cpus, self.draft_threads),
+            side(&self.verify_cpus, self.verify_threads),
+            self.rtt_ms,
+            if self.bandwidth_mbps > 0.0 {
+                format!("{} Mbit/s", self.bandwidth_mbps)
+            } else {
+                "unlimited".to_string()
+            }
+        )
     }
 }
 
@@ -279,6 +357,11 @@ pub fn build(methods: &[Method], records: &[Record]) -> Report {
             _ => {}
         }
     }
+    if let Some(c) = &config {
+        for cell in &mut cells {
+            cell.set_setup(c);
+        }
+    }
     Report {
         config,
         report_machine: machine_description(),
@@ -316,6 +399,13 @@ pub fn markdown(rep: &Report) -> String {
         let _ = writeln!(s, "- services: {}; baseline: {}", c.services, c.baseline);
         if c.rtt_ms > 0.0 {
             let _ = writeln!(s, "- delay proxy adds {} ms round trip", c.rtt_ms);
+        }
+        if c.bandwidth_mbps > 0.0 {
+            let _ = writeln!(
+                s,
+                "- link rate capped at {} Mbit/s per direction",
+                c.bandwidth_mbps
+            );
         }
         let _ = writeln!(s, "- machine: {}", c.machine);
     }
@@ -399,22 +489,26 @@ pub fn markdown(rep: &Report) -> String {
         }
 
         let _ = writeln!(s, "\n### Per method, all categories pooled\n");
-        let _ = write!(s, "| method | nodes | tok/s | speedup | tokens/step |");
+        let _ = write!(
+            s,
+            "| method | nodes | tok/s | speedup | predicted | tokens/step |"
+        );
         for r in 1..=SHOWN_RANKS {
             let _ = write!(s, " p{r} |");
         }
         let _ = writeln!(
             s,
-            " draft ms/tok | network ms/tok | verify ms/tok | overhead ms/tok |{}",
+            " draft ms/tok | network ms/tok | verify ms/tok | overhead ms/tok |{} \
+             pipeline hits/misses | pipeline wasted ms | setup |",
             if t == 0.0 { " greedy = target |" } else { "" }
         );
-        let _ = write!(s, "|---|---:|---:|---:|---:|");
+        let _ = write!(s, "|---|---:|---:|---:|---:|---:|");
         for _ in 1..=SHOWN_RANKS {
             let _ = write!(s, "---:|");
         }
         let _ = writeln!(
             s,
-            "---:|---:|---:|---:|{}",
+            "---:|---:|---:|---:|{}---:|---:|---|",
             if t == 0.0 { "---:|" } else { "" }
         );
         for m in &rep.methods {
@@ -423,10 +517,12 @@ pub fn markdown(rep: &Report) -> String {
             };
             let _ = write!(
                 s,
-                "| {m} | {:.1} | {:.2} | {} | {:.2} |",
+                "| {m} | {:.1} | {:.2} | {} | {} | {:.2} |",
                 c.mean_nodes,
                 c.tokens_per_second,
                 c.speedup.map_or("–".into(), |x| format!("{x:.2}×")),
+                c.predicted_speedup
+                    .map_or("–".into(), |x| format!("{x:.2}×")),
                 c.tokens_per_step
             );
             for r in 0..SHOWN_RANKS {
@@ -454,6 +550,17 @@ pub fn markdown(rep: &Report) -> String {
                         .map_or("–".into(), |(a, b)| format!("{a}/{b}"))
                 );
             }
+            let _ = write!(
+                s,
+                " {} | {} | {} |",
+                match (c.pipeline_hits, c.pipeline_misses) {
+                    (Some(h), Some(m)) => format!("{h}/{m}"),
+                    _ => "–".into(),
+                },
+                c.pipeline_wasted_ms
+                    .map_or("–".into(), |w| format!("{w:.1}")),
+                c.setup_text()
+            );
             s.push('\n');
         }
 
@@ -550,7 +657,10 @@ fn write_charts(rep: &Report, dir: &std::path::Path) -> Result<Vec<String>> {
             let mut points: Vec<(f64, f64, String)> = rep
                 .methods
                 .iter()
-                .filter(|m| m.parse::<Method>().is_ok_and(|x| x.family() == *fam))
+                .filter(|m| {
+                    m.parse::<Method>()
+                        .is_ok_and(|x| x.family() == *fam && !x.is_pipelined())
+                })
                 .filter_map(|m| {
                     rep.cell(t, m, OVERALL)
                         .map(|c| (c.mean_nodes, c.tokens_per_step, m.clone()))
@@ -654,13 +764,77 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains("| chain:2 | 5.0 | 12.00 | 1.20× | 2.00 | 0.750 | 0.250 | – | – |"),
+            md.contains("| chain:2 | 5.0 | 12.00 | 1.20× | – | 2.00 | 0.750 | 0.250 | – | – |"),
             "{md}"
         );
         assert!(md.contains("| 2/2 |"), "{md}");
         // Categories without results at a temperature get no row there.
         let hot = &md[md.find("## T = 0.7").unwrap()..];
         assert!(!hot.contains("| math |"), "{md}");
+    }
+
+    #[test]
+    fn rows_state_the_setup_prediction_and_pipeline_counters() {
+        let config = RunConfig {
+            draft: "d".into(),
+            target: "t".into(),
+            prompts: "p".into(),
+            max_tokens: 16,
+            seed: 0,
+            max_levels: 8,
+            raw: false,
+            services: "given addresses".into(),
+            baseline: "b".into(),
+            rtt_ms: 10.0,
+            label: None,
+            machine: String::new(),
+            draft_cpus: Some("0".into()),
+            verify_cpus: Some("1-2".into()),
+            draft_threads: Some(1),
+            verify_threads: Some(2),
+            bandwidth_mbps: 100.0,
+        };
+        let mut recs = vec![Record::Config(config)];
+        for (q, predicted, hits, misses) in [(1, 2.0, 3, 1), (2, 3.0, 5, 0)] {
+            recs.push(run(q, "qa", "target", 0.0, 10, 1000.0));
+            if let Record::Run(mut r) = run(q, "qa", "auto+pipe", 0.0, 10, 500.0) {
+                r.predicted_speedup = predicted;
+                r.pipeline = true;
+                r.pipeline_hits = hits;
+                r.pipeline_misses = misses;
+                r.pipeline_wasted_ms = 1.5;
+                recs.push(Record::Run(r));
+            }
+        }
+        let methods = parse_methods(&["target".into(), "auto+pipe".into()]).unwrap();
+        let rep = build(&methods, &recs);
+        let c = rep.cell(0.0, "auto+pipe", OVERALL).unwrap();
+        assert!((c.predicted_speedup.unwrap() - 2.5).abs() < 1e-12);
+        assert_eq!((c.pipeline_hits, c.pipeline_misses), (Some(8), Some(1)));
+        assert!((c.pipeline_wasted_ms.unwrap() - 3.0).abs() < 1e-12);
+        assert_eq!(c.verify_cpus.as_deref(), Some("1-2"));
+        assert_eq!((c.rtt_ms, c.bandwidth_mbps), (10.0, 100.0));
+        let t = rep.cell(0.0, "target", OVERALL).unwrap();
+        assert_eq!((t.predicted_speedup, t.pipeline_hits), (None, None));
+        assert_eq!(t.draft_threads, Some(1), "every row states the setup");
+
+        let json = serde_json::to_value(&rep).unwrap();
+        let cells = json["cells"].as_array().unwrap();
+        let target = cells.iter().find(|c| c["method"] == "target").unwrap();
+        assert!(target.get("pipeline_hits").is_none());
+        assert!(target["predicted_speedup"].is_null());
+        assert_eq!(target["bandwidth_mbps"], 100.0);
+
+        let md = markdown(&rep);
+        assert!(
+            md.contains("| auto+pipe | 5.0 | 20.00 | 2.00× | 2.50× |"),
+            "{md}"
+        );
+        assert!(
+            md.contains(" 8/1 | 3.0 | draft 0 ×1 · verify 1-2 ×2 · RTT 10 ms · 100 Mbit/s |"),
+            "{md}"
+        );
+        assert!(md.contains("100 Mbit/s per direction"), "{md}");
     }
 
     #[test]

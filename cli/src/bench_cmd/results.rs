@@ -23,6 +23,19 @@ pub struct RunConfig {
     pub label: Option<String>,
     #[serde(default)]
     pub machine: String,
+    /// CPU sets (taskset -c lists) and compute threads of the draft and verify sides, where
+    /// known (None: not pinned / the service's default).
+    #[serde(default)]
+    pub draft_cpus: Option<String>,
+    #[serde(default)]
+    pub verify_cpus: Option<String>,
+    #[serde(default)]
+    pub draft_threads: Option<usize>,
+    #[serde(default)]
+    pub verify_threads: Option<usize>,
+    /// Link rate between the sides in Mbit/s per direction (0 = unlimited).
+    #[serde(default)]
+    pub bandwidth_mbps: f64,
 }
 
 impl RunConfig {
@@ -78,6 +91,16 @@ pub struct RunRecord {
     pub network_ms: f64,
     pub finish_reason: String,
     pub tokens: Vec<u32>,
+    /// Whether the request asked for pipelined drafting (`+pipe` methods), and the summary's
+    /// pipeline counters.
+    #[serde(default)]
+    pub pipeline: bool,
+    #[serde(default)]
+    pub pipeline_hits: u32,
+    #[serde(default)]
+    pub pipeline_misses: u32,
+    #[serde(default)]
+    pub pipeline_wasted_ms: f64,
     /// Set when the generation failed (the other fields are then empty).
     pub error: Option<String>,
 }

@@ -19,6 +19,9 @@ pub(super) async fn generate(
             rec.accepted_by_rank = s.accepted_by_rank;
             rec.trials_by_rank = s.trials_by_rank;
             rec.finish_reason = s.finish_reason;
+            rec.pipeline_hits = s.pipeline_hits;
+            rec.pipeline_misses = s.pipeline_misses;
+            rec.pipeline_wasted_ms = s.pipeline_wasted_ms;
             if let Some(t) = s.timings {
                 rec.total_ms = t.total_ms;
                 rec.prefill_ms = t.prefill_ms;
@@ -195,12 +198,14 @@ pub(super) async fn run_all(
         let p = &measured[0];
         for m in methods {
             let tree = &trees[&(temp_key(t), m.to_string())];
-            let client = if *m == Method::Target {
+            let client = if m.is_baseline() {
                 &mut base
             } else {
                 &mut spec
             };
-            generate(client, request(args, p, t, 8, tree.as_ref()))
+            let mut req = request(args, p, t, 8, tree.as_ref());
+            req.pipeline = Some(m.is_pipelined());
+            generate(client, req)
                 .await
                 .map_err(|s| anyhow::anyhow!("warm-up generation ({m}) failed: {}", s.message()))?;
         }
@@ -223,12 +228,15 @@ pub(super) async fn run_all(
                 }
                 bar.set_message(format!("{} #{} T={t} {m}", prompt.category, prompt.id));
                 let tree = trees[&(temp_key(t), m.to_string())].as_ref();
-                let client = if *m == Method::Target {
+                let client = if m.is_baseline() {
                     &mut base
                 } else {
                     &mut spec
                 };
-                let req = request(args, prompt, t, args.max_tokens, tree);
+                let mut req = request(args, prompt, t, args.max_tokens, tree);
+                // Explicit either way, so a service configured with pipeline.enabled does not
+                // pipeline the methods meant to run without it.
+                req.pipeline = Some(m.is_pipelined());
                 let mut rec = match generate(client, req).await {
                     Ok(r) => r,
                     Err(s) if is_fatal(&s) => {
@@ -245,7 +253,7 @@ pub(super) async fn run_all(
                         ..RunRecord::default()
                     },
                 };
-                if *m == Method::Auto && rec.plan_mode == "fixed" && !auto_fixed_warned {
+                if *m.base() == Method::Auto && rec.plan_mode == "fixed" && !auto_fixed_warned {
                     bar.println(
                         "warning: the draft-service runs tree.mode = \"fixed\"; `auto` measures \
                          its configured tree",
@@ -256,6 +264,7 @@ pub(super) async fn run_all(
                 rec.category = prompt.category.clone();
                 rec.method = m.to_string();
                 rec.temperature = t;
+                rec.pipeline = m.is_pipelined();
                 if let Some(e) = &rec.error {
                     bar.println(format!("{m} on prompt {} failed: {e}", prompt.id));
                 }

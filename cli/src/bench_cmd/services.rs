@@ -52,12 +52,14 @@ pub(super) fn spawn_services(args: &BenchArgs, rt: &tokio::runtime::Runtime) -> 
 
     // The delay proxy runs on the bench's runtime, between the draft-service and verify.
     let (mut proxy_stop, mut spec_verify_url) = (None, verify_url.clone());
-    if args.rtt_ms > 0.0 {
+    let mbps = args.two.bandwidth_mbps;
+    if args.rtt_ms > 0.0 || mbps > 0.0 {
         let rtt = Duration::from_secs_f64(args.rtt_ms / 1e3);
         let proxy = rt.block_on(crate::delay_proxy::DelayProxy::bind(
             "127.0.0.1:0",
             &format!("127.0.0.1:{vport}"),
             rtt,
+            mbps,
         ))?;
         spec_verify_url = format!("http://{}", proxy.local_addr()?);
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -66,8 +68,13 @@ pub(super) fn spawn_services(args: &BenchArgs, rt: &tokio::runtime::Runtime) -> 
         }));
         proxy_stop = Some(tx);
         eprintln!(
-            "== delay proxy {spec_verify_url} -> {verify_url} adds {} ms round trip",
-            args.rtt_ms
+            "== delay proxy {spec_verify_url} -> {verify_url} adds {} ms round trip{}",
+            args.rtt_ms,
+            if mbps > 0.0 {
+                format!(", {mbps} Mbit/s each way")
+            } else {
+                String::new()
+            }
         );
     }
     let mut start_draft = |name: &'static str, verify: &str, auto: bool| -> Result<String> {

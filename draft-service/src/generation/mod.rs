@@ -22,7 +22,7 @@ use crate::nodes::{unavailable, VerifyNode};
 use crate::plan::ActivePlan;
 use crate::state::DraftState;
 use link::VerifyLink;
-use sequoia_core::planner::cost::NodeCosts;
+use sequoia_core::planner::cost::{pipeline_hit_rate, NodeCosts};
 use sequoia_core::stats::{AcceptanceCounts, RankCounts};
 use sequoia_core::tree::Tree;
 use sequoia_core::types::FinishReason;
@@ -232,7 +232,8 @@ impl<'a> Generation<'a> {
             ..StepTimes::default()
         };
         let costs = node_costs(state, link.node()).await?;
-        let plan = plan(state, costs.as_ref(), prep.params.is_greedy())?;
+        let hit = prep.pipeline.then(|| pipeline_hit_rate(0, 0));
+        let plan = plan(state, costs.as_ref(), prep.params.is_greedy(), hit)?;
         let g = Generation {
             state,
             prep,
@@ -275,10 +276,20 @@ impl<'a> Generation<'a> {
                 self.state,
                 self.costs.as_ref(),
                 self.prep.params.is_greedy(),
+                self.pipeline_hit(),
             )?;
             self.replans += 1;
         }
         Ok(())
+    }
+
+    /// Pipelined requests: the estimated chance that a verdict is one the draft grew the next
+    /// tree for, from this generation's hits and misses so far (what the planner's step time
+    /// assumes). None when the request does not pipeline.
+    fn pipeline_hit(&self) -> Option<f64> {
+        self.prep
+            .pipeline
+            .then(|| pipeline_hit_rate(self.pipeline_hits, self.pipeline_misses))
     }
 
     /// The tree to draft with `room` tokens of context left.
@@ -535,10 +546,15 @@ impl<'a> Generation<'a> {
 }
 
 /// The planner's plan for this node's costs.
-fn plan(state: &DraftState, costs: Option<&NodeCosts>, greedy: bool) -> Result<ActivePlan, Status> {
+fn plan(
+    state: &DraftState,
+    costs: Option<&NodeCosts>,
+    greedy: bool,
+    pipeline_hit: Option<f64>,
+) -> Result<ActivePlan, Status> {
     state
         .planner
-        .plan(costs, greedy)
+        .plan(costs, greedy, pipeline_hit)
         .map_err(|e| Status::internal(format!("tree planner: {e}")))
 }
 

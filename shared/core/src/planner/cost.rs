@@ -11,6 +11,10 @@
 //!      + t_v(n) + overhead              the target's tree forward and the rest
 //! speedup = G(n, l) · t_v(1) / step
 //! ```
+//!
+//! With pipelined drafting (§10) the draft grows the next tree while this one is verified, so
+//! with probability `hit` (the verdict was one it speculated on) the step costs the longer of the
+//! two, else their sum: see [`pipelined_step_ms`].
 
 use super::{expected_tokens, validate_acceptance, PlanError, SequoiaDp};
 use crate::tree::Tree;
@@ -146,11 +150,58 @@ pub struct Prediction {
     pub step_ms: f64,
     pub speedup: f64,
     pub parents: Vec<i32>,
+    /// Pipelined drafting: the hit probability the step time assumed (None = not pipelined).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pipeline_hit: Option<f64>,
+}
+
+/// Prior hit probability of pipelined drafting before a generation has verified a step.
+pub const PIPELINE_HIT_PRIOR: f64 = 0.5;
+
+/// Estimated probability that the verdict is one of the speculated candidates: the
+/// generation's running hit rate, or [`PIPELINE_HIT_PRIOR`] before its first counted step.
+pub fn pipeline_hit_rate(hits: u32, misses: u32) -> f64 {
+    match hits as u64 + misses as u64 {
+        0 => PIPELINE_HIT_PRIOR,
+        n => hits as f64 / n as f64,
+    }
+}
+
+/// Step time with pipelined drafting.
+///
+/// `round_trip_ms` is everything between sending a tree and having its verdict (RTT, bytes on
+/// the wire, t_v(n), overhead); `draft_ms` the time to draft a tree after a verdict and
+/// `draft_next_ms` the time to draft the next one ahead, during the round trip. On a hit the
+/// next tree is ready once both are done, so the step costs the longer of the two; on a miss
+/// the speculation is wasted and the draft starts after the verdict, as without pipelining:
+///
+/// ```text
+/// step = hit · max(t_draft_next, round_trip) + (1 − hit) · (round_trip + t_draft)
+/// ```
+pub fn pipelined_step_ms(hit: f64, draft_next_ms: f64, round_trip_ms: f64, draft_ms: f64) -> f64 {
+    let hit = if hit.is_finite() {
+        hit.clamp(0.0, 1.0)
+    } else {
+        PIPELINE_HIT_PRIOR
+    };
+    hit * draft_next_ms.max(round_trip_ms) + (1.0 - hit) * (round_trip_ms + draft_ms)
 }
 
 /// Predict the step of `tree` under acceptance `p`, sending `q_entries` q entries per node
 /// (0 at temperature 0).
 pub fn predict(profile: &Profile, p: &[f64], tree: &Tree, q_entries: usize) -> Prediction {
+    predict_pipelined(profile, p, tree, q_entries, None)
+}
+
+/// [`predict`], with pipelined drafting at hit probability `pipeline_hit` when it is Some: the
+/// next tree (the same shape in steady state) is drafted ahead during the round trip.
+pub fn predict_pipelined(
+    profile: &Profile,
+    p: &[f64],
+    tree: &Tree,
+    q_entries: usize,
+    pipeline_hit: Option<f64>,
+) -> Prediction {
     let g = expected_tokens(tree, p);
     let widths = tree.widths();
     let levels = widths.len();
@@ -174,7 +225,12 @@ pub fn predict(profile: &Profile, p: &[f64], tree: &Tree, q_entries: usize) -> P
         profile.network.rtt_ms + step_bytes(tree, q_entries) / profile.network.bytes_per_ms,
         profile.verify.at(tree.len()),
     );
-    let step_ms = draft_ms + network_ms + verify_ms + profile.overhead_ms;
+    let round_trip = network_ms + verify_ms + profile.overhead_ms;
+    let step_ms = match pipeline_hit {
+        // The root alone drafts nothing, so there is nothing to overlap.
+        Some(hit) if tree.len() > 1 => pipelined_step_ms(hit, draft_ms, round_trip, draft_ms),
+        _ => draft_ms + round_trip,
+    };
     Prediction {
         nodes: tree.len(),
         levels,
@@ -186,6 +242,7 @@ pub fn predict(profile: &Profile, p: &[f64], tree: &Tree, q_entries: usize) -> P
         step_ms,
         speedup: g * profile.verify.at(1) / step_ms,
         parents: tree.parents().to_vec(),
+        pipeline_hit: pipeline_hit.filter(|_| tree.len() > 1),
     }
 }
 
@@ -207,6 +264,20 @@ pub fn choose(
     max_levels: usize,
     q_entries: usize,
 ) -> Result<AutoPlan, PlanError> {
+    choose_pipelined(profile, p, max_nodes, max_levels, q_entries, None)
+}
+
+/// [`choose`] for a generation that drafts pipelined with hit probability `pipeline_hit`
+/// (None = not pipelined). The root alone costs the same either way, so the rule that no tree
+/// predicted slower than plain decoding is chosen holds here too.
+pub fn choose_pipelined(
+    profile: &Profile,
+    p: &[f64],
+    max_nodes: usize,
+    max_levels: usize,
+    q_entries: usize,
+    pipeline_hit: Option<f64>,
+) -> Result<AutoPlan, PlanError> {
     validate_acceptance(p)?;
     let max_nodes = max_nodes.clamp(1, crate::limits::MAX_PLANNED_NODES);
     let max_levels = max_levels.clamp(1, crate::limits::MAX_TREE_LEVELS);
@@ -222,7 +293,7 @@ pub fn choose(
                 continue; // deeper limit changed nothing
             }
             last_len = tree.len();
-            let pr = predict(profile, p, &tree, q_entries);
+            let pr = predict_pipelined(profile, p, &tree, q_entries, pipeline_hit);
             if best_here.as_ref().is_none_or(|b| pr.speedup > b.speedup) {
                 best_here = Some(pr);
             }
@@ -342,6 +413,93 @@ mod tests {
         assert!((pr.expected_tokens - (1.0 + 0.5 + 0.2 + 0.25)).abs() < 1e-12);
         assert!((pr.step_ms - (pr.draft_ms + pr.network_ms + pr.verify_ms + 0.5)).abs() < 1e-9);
         assert!((pr.speedup - pr.expected_tokens * 10.0 / pr.step_ms).abs() < 1e-12);
+    }
+
+    #[test]
+    fn pipelined_step_is_the_max_on_hits_and_the_sum_on_misses() {
+        // hit = 1: the draft ahead hides behind the round trip, or the other way round.
+        assert_eq!(pipelined_step_ms(1.0, 3.0, 10.0, 3.0), 10.0);
+        assert_eq!(pipelined_step_ms(1.0, 12.0, 10.0, 3.0), 12.0);
+        // hit = 0: the speculation is wasted, the step is what it is without pipelining.
+        assert_eq!(pipelined_step_ms(0.0, 3.0, 10.0, 4.0), 14.0);
+        // In between: the mix.
+        let mid = pipelined_step_ms(0.25, 3.0, 10.0, 3.0);
+        assert!((mid - (0.25 * 10.0 + 0.75 * 13.0)).abs() < 1e-12);
+        // Out-of-range estimates are clamped; NaN falls back to the prior.
+        assert_eq!(pipelined_step_ms(2.0, 3.0, 10.0, 3.0), 10.0);
+        assert_eq!(pipelined_step_ms(-1.0, 3.0, 10.0, 3.0), 13.0);
+        assert_eq!(pipelined_step_ms(f64::NAN, 3.0, 10.0, 3.0), 11.5);
+    }
+
+    #[test]
+    fn hit_rate_starts_at_the_prior() {
+        assert_eq!(pipeline_hit_rate(0, 0), PIPELINE_HIT_PRIOR);
+        assert_eq!(pipeline_hit_rate(3, 1), 0.75);
+        assert_eq!(pipeline_hit_rate(0, 5), 0.0);
+        assert_eq!(pipeline_hit_rate(u32::MAX, u32::MAX), 0.5);
+    }
+
+    #[test]
+    fn pipelined_prediction_uses_the_formula() {
+        let prof = profile(|n| 10.0 * n, 2.0, 3.0);
+        let tree = Tree::from_parents(&[-1, 0, 0, 1]).unwrap();
+        let plain = predict(&prof, &[0.5, 0.2], &tree, 4);
+        assert_eq!(plain.pipeline_hit, None);
+        let round_trip = plain.network_ms + plain.verify_ms + plain.overhead_ms;
+        for hit in [0.0, 0.3, 1.0] {
+            let pr = predict_pipelined(&prof, &[0.5, 0.2], &tree, 4, Some(hit));
+            let want =
+                hit * plain.draft_ms.max(round_trip) + (1.0 - hit) * (round_trip + plain.draft_ms);
+            assert!((pr.step_ms - want).abs() < 1e-9, "hit {hit}");
+            assert!(pr.speedup >= plain.speedup - 1e-12);
+            assert_eq!(pr.pipeline_hit, Some(hit));
+            // The parts are the same; only their overlap differs.
+            assert_eq!(
+                (pr.draft_ms, pr.verify_ms, pr.network_ms),
+                (plain.draft_ms, plain.verify_ms, plain.network_ms)
+            );
+        }
+        // The root alone has nothing to pipeline.
+        let root = predict_pipelined(&prof, &[0.5, 0.2], &Tree::chain(1), 4, Some(1.0));
+        assert_eq!(
+            root.step_ms,
+            predict(&prof, &[0.5, 0.2], &Tree::chain(1), 4).step_ms
+        );
+        assert_eq!(root.pipeline_hit, None);
+    }
+
+    #[test]
+    fn pipelining_never_predicts_a_lower_speedup() {
+        let p = EXAMPLE_ACCEPTANCE;
+        for (verify, draft, rtt) in [(20.0, 0.5, 0.0), (20.0, 5.0, 10.0), (60.0, 20.0, 50.0)] {
+            let prof = profile(|n| verify * (0.75 + 0.27 * n), draft, rtt);
+            let without = choose(&prof, &p, 64, 8, 0).unwrap();
+            for hit in [0.0, 0.5, 1.0] {
+                let with = choose_pipelined(&prof, &p, 64, 8, 0, Some(hit)).unwrap();
+                assert!(
+                    with.best.speedup >= without.best.speedup - 1e-12,
+                    "hit {hit}: {} < {}",
+                    with.best.speedup,
+                    without.best.speedup
+                );
+            }
+        }
+        // A draft as slow as the target: even a certain hit does not make speculation pay
+        // against plain decoding, and the planner keeps the root alone.
+        let slow = profile(|n| 20.0 * n, 20.0, 1.0);
+        let plan = choose_pipelined(&slow, &p, 64, 8, 0, Some(0.0)).unwrap();
+        assert!(!plan.speculate && plan.best.speedup < 1.0);
+        // With pipelining and a high hit rate, drafting hides behind a long round trip: the
+        // speedup grows, and a slow draft can pay where it did not.
+        let far = profile(|n| 20.0 * (1.0 + 0.02 * n), 8.0, 40.0);
+        let a = choose(&far, &p, 64, 8, 0).unwrap();
+        let b = choose_pipelined(&far, &p, 64, 8, 0, Some(1.0)).unwrap();
+        assert!(
+            b.best.speedup > a.best.speedup,
+            "{} vs {}",
+            b.best.speedup,
+            a.best.speedup
+        );
     }
 
     #[test]
