@@ -38,6 +38,7 @@
 //! charts) is computed from that file, over the (prompt, temperature) groups in which every
 //! method finished, so every ratio compares the same prompts.
 
+mod capacity;
 pub(crate) mod charts;
 mod methods;
 mod prompts;
@@ -46,6 +47,7 @@ mod results;
 mod run;
 mod services;
 
+pub use capacity::{capacity, CapacityArgs};
 pub use methods::*;
 pub use prompts::*;
 pub use results::*;
@@ -78,7 +80,11 @@ const CALIBRATION_DEPTH: usize = 3;
 const CALIBRATION_TOKENS: u32 = 64;
 
 #[derive(clap::Args, Debug, Clone)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    /// `sequoia bench capacity ...`: the verify node's throughput under N concurrent sessions.
+    #[command(subcommand)]
+    pub sub: Option<BenchSub>,
     /// Prompt file: JSONL with `question_id`, `category` and `turns` (the first turn is used).
     #[arg(long, default_value = "tests/data/spec_bench/question.jsonl")]
     pub prompts: PathBuf,
@@ -254,7 +260,18 @@ pub(crate) fn model_arg(m: &str) -> Result<String> {
 }
 
 /// The `sequoia bench` command.
+/// Benchmarks other than the method comparison.
+#[derive(clap::Subcommand, Debug, Clone)]
+pub enum BenchSub {
+    /// Verify-node capacity: N concurrent replayed sessions, batching on and off (no draft
+    /// model runs during the measurement).
+    Capacity(CapacityArgs),
+}
+
 pub fn bench(args: &BenchArgs) -> Result<()> {
+    if let Some(BenchSub::Capacity(a)) = &args.sub {
+        return capacity(a);
+    }
     let methods = parse_methods(&args.methods)?;
     if args.temperatures.is_empty() {
         bail!("--temperatures is empty");

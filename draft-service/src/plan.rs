@@ -251,11 +251,17 @@ impl Planner {
     /// The plan for a new generation (or a re-plan), given the node's costs in auto mode.
     /// `pipeline_hit`: the generation drafts pipelined, with this estimated hit probability
     /// (the step time then overlaps drafting with verification, docs/ALGORITHMS.md §5.2).
+    /// `load_sessions`: sessions in the node's recent batches (1 = alone). A tree of n nodes is
+    /// priced as a forward of n × load_sessions rows, as if every session in the batch sent a
+    /// tree like this one (docs/ALGORITHMS.md §11): the size that is best for each session under
+    /// that assumption is also best for the node's throughput. Trees shrink when the node is
+    /// busy and grow back when it is idle.
     pub fn plan(
         &self,
         costs: Option<&NodeCosts>,
         greedy: bool,
         pipeline_hit: Option<f64>,
+        load_sessions: f64,
     ) -> Result<ActivePlan, String> {
         let p = self
             .counts(greedy)
@@ -277,8 +283,16 @@ impl Planner {
             sizes: c.sizes.clone(),
             ms: c.ms.iter().map(|m| m * f).collect(),
         };
+        let loaded = |c: &CostCurve| CostCurve {
+            sizes: c.sizes.clone(),
+            ms: c
+                .sizes
+                .iter()
+                .map(|&s| c.at((s as f64 * load_sessions.max(1.0)).round() as usize))
+                .collect(),
+        };
         let profile = Profile {
-            verify: scale(&costs.verify, d.verify),
+            verify: loaded(&scale(&costs.verify, d.verify)),
             draft: scale(&draft, d.draft),
             network: costs.network,
             overhead_ms: 0.5,
@@ -348,6 +362,52 @@ mod tests {
         assert!((e[0] - (90.0 + 10.0) / 120.0).abs() < 1e-12);
         assert!(e[1] < 0.2);
         assert!(e.iter().sum::<f64>() <= 1.0 + 1e-12);
+    }
+
+    /// A verify node whose forward costs 20 ms up to 16 rows, then 2.5 ms per row (memory-bound,
+    /// then compute-bound), a cheap draft and a fast network.
+    fn loaded_planner() -> (Planner, NodeCosts) {
+        let cfg = TreeConfig {
+            mode: "auto".into(),
+            nodes: 32,
+            ..TreeConfig::default()
+        };
+        let planner = Planner::new(&cfg, 8).unwrap();
+        *planner.draft_curve.lock().unwrap() =
+            Some(CostCurve::new(vec![1, 16], vec![0.5, 0.6]).unwrap());
+        let costs = NodeCosts {
+            verify: CostCurve::new(
+                vec![1, 16, 32, 64, 128],
+                vec![20.0, 20.0, 60.0, 140.0, 300.0],
+            )
+            .unwrap(),
+            network: NetworkProfile {
+                rtt_ms: 0.5,
+                bytes_per_ms: 125_000.0,
+            },
+        };
+        (planner, costs)
+    }
+
+    #[test]
+    fn trees_shrink_when_the_node_is_busy_and_grow_back_when_idle() {
+        let (planner, costs) = loaded_planner();
+        let nodes = |load: u32| {
+            planner
+                .plan(Some(&costs), true, None, load as f64)
+                .unwrap()
+                .full_size()
+        };
+        let (idle, busy, idle_again) = (nodes(1), nodes(8), nodes(1));
+        assert!(
+            idle >= 8,
+            "an idle node's flat region pays for a big tree: {idle}"
+        );
+        assert!(
+            busy < idle,
+            "a busy node ({busy}) must get smaller trees than an idle one ({idle})"
+        );
+        assert_eq!(idle_again, idle);
     }
 
     #[test]

@@ -23,6 +23,9 @@ use verify_service::service::VerifyState;
 
 const VOCAB: u32 = 512; // the random "tiny" shape
 
+/// Most sessions any verdict said shared its forward (the load the draft's planner reads).
+static MAX_BATCH_SESSIONS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 fn node(configure: impl FnOnce(&mut VerifyConfig)) -> Running {
     let spec = RandomSpec {
         seed: 21,
@@ -141,6 +144,12 @@ async fn play(url: String, plan: Plan) -> Result<Vec<(Vec<u32>, u32)>, tonic::St
         .unwrap();
         match inbound.message().await?.and_then(|m| m.msg) {
             Some(pb::session_response::Msg::Verdict(v)) => {
+                assert!(
+                    v.batch_rows as usize >= plan.parents.len() && v.batch_sessions >= 1,
+                    "a verdict's batch holds at least its own tree: {v:?}"
+                );
+                MAX_BATCH_SESSIONS
+                    .fetch_max(v.batch_sessions, std::sync::atomic::Ordering::Relaxed);
                 root = v.next_token;
                 verdicts.push((v.accepted_nodes, v.next_token));
             }
@@ -207,7 +216,8 @@ fn batched_sessions_get_the_verdicts_they_get_alone() {
             want.iter().flatten().any(|(acc, _)| !acc.is_empty()),
             "no tree node was ever accepted: the comparison would not cover accepted paths"
         );
-        // The sessions really shared forwards.
+        // The sessions really shared forwards, and their verdicts said so.
+        assert!(MAX_BATCH_SESSIONS.load(std::sync::atomic::Ordering::Relaxed) > 1);
         let text = scrape(batched.metrics.unwrap()).await;
         let sum = series_value(
             &text,

@@ -577,6 +577,8 @@ fn arb_verdict() -> impl Strategy<Value = pb::Verdict> {
                 next_token,
                 accepted_ranks,
                 verify_ms,
+                batch_rows: (step as u32).wrapping_mul(2_654_435_761),
+                batch_sessions: (step >> 32) as u32,
             },
         )
 }

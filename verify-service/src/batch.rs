@@ -314,6 +314,7 @@ impl Runner {
     fn run_batch(&mut self, mut batch: Vec<Slot>) {
         let started = Instant::now();
         let rows: usize = batch.iter().map(|s| s.rows).sum();
+        let (rows_total, sessions) = (rows, batch.len());
         let waits: Vec<Duration> = batch.iter().map(|s| started - s.job.queued).collect();
         self.metrics
             .batch_started(rows, batch.len(), &waits, self.queue.len());
@@ -342,7 +343,7 @@ impl Runner {
                 }
                 (Work::Tree(tree), Ok(logits)) => job
                     .session
-                    .finish(tree, &logits, started)
+                    .finish(tree, &logits, started, (rows_total, sessions))
                     .map(Done::Verified),
                 (
                     Work::Prefill {

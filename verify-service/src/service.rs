@@ -271,7 +271,12 @@ async fn run_session(
             r.verdict.ranks.iter().copied(),
             secs(r.verify_ms / 1e3),
         );
-        let verdict = wire::verdict_message(r.step, &r.verdict, r.verify_ms);
+        let verdict = wire::verdict_message(
+            r.step,
+            &r.verdict,
+            r.verify_ms,
+            (r.batch_rows, r.batch_sessions),
+        );
         if tx
             .send(Ok(SessionResponse {
                 msg: Some(session_response::Msg::Verdict(verdict)),

@@ -40,6 +40,10 @@ pub struct StepResult {
     pub step: u64,
     pub verdict: Verdict,
     pub verify_ms: f64,
+    /// Rows of the forward this tree was verified in (its own nodes plus other sessions'), and
+    /// the sessions in it.
+    pub batch_rows: usize,
+    pub batch_sessions: usize,
 }
 
 pub struct VerifySession {
@@ -157,7 +161,8 @@ impl VerifySession {
         let prepared = self.prepare(model, step, parents, tokens, dists.to_vec())?;
         let t0 = Instant::now();
         let logits = model.forward_tree(&mut self.cache, &prepared.tokens, &prepared.tree)?;
-        self.finish(prepared, &logits, t0)
+        let rows = prepared.tree.len();
+        self.finish(prepared, &logits, t0, (rows, 1))
     }
 
     /// Every check of a tree message, before any model work: step order, size limits, shape,
@@ -222,12 +227,14 @@ impl VerifySession {
 
     /// The rest of a step once the tree's nodes are in the cache and `logits` holds a row per
     /// node: exact verification, then compaction of the cache to the accepted path. `started`
-    /// is when the forward began (the step's reported verify time runs from there).
+    /// is when the forward began (the step's reported verify time runs from there);
+    /// `batch`: how many rows and sessions that forward had.
     pub fn finish(
         &mut self,
         prepared: PreparedTree,
         logits: &Logits,
         started: Instant,
+        batch: (usize, usize),
     ) -> Result<StepResult, SessionError> {
         let PreparedTree {
             step,
@@ -249,6 +256,8 @@ impl VerifySession {
             step,
             verdict,
             verify_ms: started.elapsed().as_secs_f64() * 1e3,
+            batch_rows: batch.0,
+            batch_sessions: batch.1,
         })
     }
 }

@@ -183,6 +183,10 @@ struct Generation<'a> {
     pipeline_hits: u32,
     pipeline_misses: u32,
     pipeline_wasted: Duration,
+    /// Sessions in the verify node's recent batches (smoothed, ≥ 1): its load. The planner
+    /// prices a tree of n nodes as a forward of n × this many rows (every session sending a
+    /// tree like ours), so trees shrink when the node is busy.
+    load_sessions: f64,
     ahead_time: Option<Duration>,
     /// When the generation started, and when text last went to the client (for the
     /// time-to-first-token and inter-token-latency metrics).
@@ -233,7 +237,7 @@ impl<'a> Generation<'a> {
         };
         let costs = node_costs(state, link.node()).await?;
         let hit = prep.pipeline.then(|| pipeline_hit_rate(0, 0));
-        let plan = plan(state, costs.as_ref(), prep.params.is_greedy(), hit)?;
+        let plan = plan(state, costs.as_ref(), prep.params.is_greedy(), hit, 1.0)?;
         let g = Generation {
             state,
             prep,
@@ -252,6 +256,7 @@ impl<'a> Generation<'a> {
             pipeline_hits: 0,
             pipeline_misses: 0,
             pipeline_wasted: Duration::ZERO,
+            load_sessions: 1.0,
             ahead_time: None,
             t_start,
             last_delivery: None,
@@ -277,6 +282,7 @@ impl<'a> Generation<'a> {
                 self.costs.as_ref(),
                 self.prep.params.is_greedy(),
                 self.pipeline_hit(),
+                self.load_sessions,
             )?;
             self.replans += 1;
         }
@@ -386,6 +392,8 @@ impl<'a> Generation<'a> {
             .await?;
         self.times.roundtrip += round_trip;
         self.times.verify_ms += verdict.verify_ms;
+        let sessions = verdict.batch_sessions.clamp(1, MAX_LOAD_SESSIONS) as f64;
+        self.load_sessions = 0.5 * self.load_sessions + 0.5 * sessions;
         // Only full-size trees are comparable with the plan's prediction.
         if let (Some(pred), true) = (
             &self.plan.prediction,
@@ -545,16 +553,21 @@ impl<'a> Generation<'a> {
     }
 }
 
-/// The planner's plan for this node's costs.
+/// Most sessions a verdict's `batch_sessions` is believed for (a node batches at most its
+/// `max_sessions`; anything larger is a buggy or hostile peer).
+const MAX_LOAD_SESSIONS: u32 = 1024;
+
+/// The planner's plan for this node's costs and load.
 fn plan(
     state: &DraftState,
     costs: Option<&NodeCosts>,
     greedy: bool,
     pipeline_hit: Option<f64>,
+    load_sessions: f64,
 ) -> Result<ActivePlan, Status> {
     state
         .planner
-        .plan(costs, greedy, pipeline_hit)
+        .plan(costs, greedy, pipeline_hit, load_sessions)
         .map_err(|e| Status::internal(format!("tree planner: {e}")))
 }
 

@@ -57,13 +57,21 @@ pub fn dists_from_wire(dists: Vec<pb::SparseDist>) -> Vec<SparseDist> {
         .collect()
 }
 
-pub fn verdict_message(step: u64, v: &Verdict, verify_ms: f64) -> pb::Verdict {
+/// `batch`: rows and sessions of the forward that verified the tree.
+pub fn verdict_message(
+    step: u64,
+    v: &Verdict,
+    verify_ms: f64,
+    batch: (usize, usize),
+) -> pb::Verdict {
     pb::Verdict {
         step,
         accepted_nodes: v.accepted.iter().map(|&i| i as u32).collect(),
         next_token: v.next_token,
         accepted_ranks: v.ranks.iter().map(|&r| r as u32).collect(),
         verify_ms,
+        batch_rows: u32::try_from(batch.0).unwrap_or(u32::MAX),
+        batch_sessions: u32::try_from(batch.1).unwrap_or(u32::MAX),
     }
 }
 
@@ -145,7 +153,7 @@ mod tests {
             ranks: vec![1, 1],
             next_token: 9,
         };
-        let w = verdict_message(7, &v, 1.5);
+        let w = verdict_message(7, &v, 1.5, (9, 2));
         assert_eq!(
             (w.step, w.accepted_nodes, w.accepted_ranks, w.next_token),
             (7, vec![1, 3], vec![1, 1], 9)
