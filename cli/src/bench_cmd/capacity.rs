@@ -63,6 +63,12 @@ pub struct CapacityArgs {
     /// Output folder (trees.json, capacity.json, capacity.md, logs/).
     #[arg(long, default_value = "bench-out/capacity")]
     pub out_dir: PathBuf,
+    /// Which verify-node settings to measure: `on`, `off` or both (default).
+    #[arg(long, value_delimiter = ',', default_value = "on,off")]
+    pub batching: Vec<String>,
+    /// The batched node's `batch.max_wait_us` (default: the service's own).
+    #[arg(long)]
+    pub max_wait_us: Option<u64>,
     /// Print the JSON report to stdout instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -167,6 +173,8 @@ pub struct CapacityRow {
     pub steps: usize,
     pub tokens: usize,
     pub wall_s: f64,
+    /// Mean sessions per forward, as the verdicts reported them.
+    pub mean_batch_sessions: f64,
 }
 
 pub fn capacity(args: &CapacityArgs) -> Result<()> {
@@ -184,7 +192,15 @@ pub fn capacity(args: &CapacityArgs) -> Result<()> {
     let recording = record(args, &target)?;
     let rt = tokio::runtime::Runtime::new()?;
     let mut rows = Vec::new();
-    for batched in [true, false] {
+    let mut settings = Vec::new();
+    for b in &args.batching {
+        match b.as_str() {
+            "on" => settings.push(true),
+            "off" => settings.push(false),
+            other => bail!("--batching takes on and/or off, got {other:?}"),
+        }
+    }
+    for batched in settings {
         let (_svc, url) = start_verify(args, &target, batched, &rt)?;
         let curve = rt.block_on(verify_curve(&url, &recording))?;
         eprintln!(
@@ -213,11 +229,12 @@ pub fn capacity(args: &CapacityArgs) -> Result<()> {
                 };
                 let row = rt.block_on(replay(&url, &recording, n, policy, batched))?;
                 eprintln!(
-                    "   {:.1} tok/s, {:.2} tokens/step, p50 {:.0} ms, p99 {:.0} ms",
+                    "   {:.1} tok/s, {:.2} tokens/step, p50 {:.0} ms, p99 {:.0} ms, {:.1} sessions per forward",
                     row.aggregate_tokens_per_second,
                     row.mean_tokens_per_step,
                     row.p50_step_ms,
-                    row.p99_step_ms
+                    row.p99_step_ms,
+                    row.mean_batch_sessions
                 );
                 rows.push(row);
             }
@@ -411,10 +428,13 @@ fn start_verify(
         .join("logs")
         .join(if batched { "batched" } else { "unbatched" });
     std::fs::create_dir_all(&logs)?;
-    let env = [
+    let mut env = vec![
         ("SEQUOIA_BATCH__ENABLED", batched.to_string()),
         ("SEQUOIA_MAX_SESSIONS", "256".to_string()),
     ];
+    if let Some(w) = args.max_wait_us {
+        env.push(("SEQUOIA_BATCH__MAX_WAIT_US", w.to_string()));
+    }
     let mut svc = Service::spawn("verify-service", &a, &env, &logs)?;
     rt.block_on(wait_ready(&mut svc, &url, Duration::from_secs(300)))?;
     Ok((svc, url))
@@ -447,11 +467,12 @@ async fn replay(
         }));
     }
     let mut steps_ms = Vec::new();
-    let (mut tokens, mut steps) = (0, 0);
+    let (mut tokens, mut steps, mut batch_sessions) = (0, 0, 0usize);
     for t in tasks {
-        let (lat, committed) = t.await??;
+        let (lat, committed, sessions_seen) = t.await??;
         steps += lat.len();
         tokens += committed;
+        batch_sessions += sessions_seen;
         steps_ms.extend(lat);
     }
     let wall = t0.elapsed().as_secs_f64();
@@ -468,17 +489,19 @@ async fn replay(
         steps,
         tokens,
         wall_s: wall,
+        mean_batch_sessions: batch_sessions as f64 / steps.max(1) as f64,
     })
 }
 
-/// One session: returns each step's latency (ms) and the tokens committed.
+/// One session: returns each step's latency (ms), the tokens committed and the sum over steps
+/// of the sessions its verdicts said shared the forward.
 async fn replay_session(
     mut client: VerifierClient<tonic::transport::Channel>,
     ids: Vec<u32>,
     cont: Vec<u32>,
     trees: Vec<(Vec<i32>, Vec<u32>)>,
     policy: &Policy,
-) -> Result<(Vec<f64>, usize)> {
+) -> Result<(Vec<f64>, usize, usize)> {
     let (tx, rx) = tokio::sync::mpsc::channel(2);
     tx.send(pb::SessionRequest {
         msg: Some(pb::session_request::Msg::Open(pb::OpenSession {
@@ -498,7 +521,7 @@ async fn replay_session(
     let mut committed = 0usize;
     let mut latencies = Vec::new();
     let mut step = 0u64;
-    let mut sessions = 1usize;
+    let (mut sessions, mut sessions_seen) = (1usize, 0usize);
     while committed < cont.len() {
         let (parents, tokens) = &trees[committed];
         let n = policy.nodes(parents.len(), sessions);
@@ -520,6 +543,7 @@ async fn replay_session(
         };
         latencies.push(t.elapsed().as_secs_f64() * 1e3);
         sessions = (v.batch_sessions as usize).clamp(1, 1024);
+        sessions_seen += sessions;
         // Exactness: the accepted tokens and the next one are the target's continuation.
         let mut got: Vec<u32> = v
             .accepted_nodes
@@ -536,5 +560,5 @@ async fn replay_session(
         committed = end;
         step += 1;
     }
-    Ok((latencies, committed))
+    Ok((latencies, committed, sessions_seen))
 }
