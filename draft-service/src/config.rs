@@ -153,7 +153,7 @@ pub struct PipelineConfig {
 impl Default for PipelineConfig {
     fn default() -> Self {
         Self {
-            enabled: false,
+            enabled: true,
             candidates: 2,
             max_forwards: 16,
         }

@@ -189,13 +189,9 @@ async fn run_session(
         Some(scheduler) => scheduler.prefill(session, prefix).await,
         None => {
             let model = state.model.clone();
-            blocking(move || -> Result<(VerifySession, f64), SessionError> {
+            blocking(move || {
                 let mut session = session;
-                let t0 = Instant::now();
-                if !prefix.is_empty() {
-                    model.forward_chain(session.cache_mut(), &prefix)?;
-                }
-                Ok((session, t0.elapsed().as_secs_f64() * 1e3))
+                session.prefill(&model, &prefix).map(|ms| (session, ms))
             })
             .await?
         }

@@ -76,15 +76,22 @@ impl VerifySession {
         limits: SessionLimits,
     ) -> Result<(Self, f64), SessionError> {
         let mut session = Self::new(model, prefix, params, seed, max_new_tokens, limits)?;
+        let prefill_ms = session.prefill(model, prefix)?;
+        Ok((session, prefill_ms))
+    }
+
+    /// Forward the committed prefix in one go (without the batch scheduler); returns its time
+    /// in ms.
+    pub fn prefill(&mut self, model: &Model, prefix: &[u32]) -> Result<f64, SessionError> {
         let t0 = Instant::now();
         if !prefix.is_empty() {
-            model.forward_chain(&mut session.cache, prefix)?;
+            model.forward_chain(&mut self.cache, prefix)?;
         }
-        Ok((session, t0.elapsed().as_secs_f64() * 1e3))
+        Ok(t0.elapsed().as_secs_f64() * 1e3)
     }
 
     /// Check an `open` and make the session with an empty cache; the caller prefills `prefix`
-    /// into [`cache`](Self::cache) (the batch scheduler does it in chunks between other
+    /// into [`cache_mut`](Self::cache_mut) (the batch scheduler does it in chunks between other
     /// sessions' trees). The cache is limited to what this session can need (prompt, new
     /// tokens and one tree), which is what [`kv_tokens`] reserves for it.
     pub fn new(
