@@ -3,8 +3,8 @@
 use sequoia_core::sampling::SamplingParams;
 use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::{
-    session_request, session_response, OpenSession, SamplingConfig, SessionRequest, SparseDist,
-    VerifyTree,
+    session_request, session_response, GenerateRequest, OpenSession, SamplingConfig,
+    SessionRequest, SparseDist, VerifyTree,
 };
 use sequoia_tests::*;
 use tonic::Code;
@@ -95,6 +95,23 @@ fn lookup_branches_stay_exact_and_are_accepted() {
             assert!(s.lookup_accepted <= s.lookup_proposed);
             proposed += s.lookup_proposed;
             accepted += s.lookup_accepted;
+            // A forced root-only tree is plain target decoding: no lookup branches.
+            let forced = rt
+                .block_on(within(
+                    120,
+                    generate(
+                        &draft.url(),
+                        GenerateRequest {
+                            tree_parents: vec![-1],
+                            ..request(prompt, 48, 0.0, 1)
+                        },
+                    ),
+                ))
+                .expect("generation succeeds");
+            assert_eq!(forced.tokens, want);
+            let s = forced.summary.expect("summary");
+            assert_eq!(s.lookup_proposed, 0, "a forced tree is sent as given");
+            assert!(s.mean_tokens_per_step <= 1.0 + 1e-9, "{s:?}");
         }
     }
     assert!(proposed > 0, "no lookup branch was ever proposed");

@@ -354,11 +354,12 @@ impl<'a> Generation<'a> {
     }
 
     /// Graft a prompt-lookup branch onto the tree (greedy requests, while context and
-    /// `max_tokens` leave room for it).
+    /// `max_tokens` leave room for it). A tree shape forced by the request is sent exactly as
+    /// given: benchmarks force root-only trees to measure plain target decoding.
     /// Returns the number of nodes added.
     fn add_lookup(&mut self, drafted: &mut DraftedTree, room: usize) -> usize {
         let params = self.state.config.lookup.params();
-        if !params.enabled() || !self.prep.params.is_greedy() {
+        if !params.enabled() || !self.prep.params.is_greedy() || self.prep.forced_tree.is_some() {
             return 0;
         }
         let left = self.prep.max_tokens - self.generated.len();
