@@ -239,12 +239,16 @@ async fn run_session(
         let span = info_span!("verify_step", step = tree.step, nodes = tree.parents.len());
         let r = match &state.scheduler {
             Some(scheduler) => {
-                // Checks run here, in parallel across sessions; the forward is batched.
-                let prepared = session
-                    .prepare(&model, tree.step, &tree.parents, &tree.tokens, dists)
-                    .map_err(to_status)?;
+                // Checks run off the async threads, in parallel across sessions; the forward
+                // is batched.
+                let (back, prepared) = blocking(move || {
+                    let p = session.prepare(&model, tree.step, &tree.parents, &tree.tokens, dists);
+                    (session, p)
+                })
+                .await?;
+                let prepared = prepared.map_err(to_status)?;
                 let (back, r) = scheduler
-                    .verify(session, prepared)
+                    .verify(back, prepared)
                     .instrument(span)
                     .await
                     .map_err(to_status)?;

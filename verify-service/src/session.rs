@@ -91,9 +91,10 @@ impl VerifySession {
     }
 
     /// Check an `open` and make the session with an empty cache; the caller prefills `prefix`
-    /// into [`cache_mut`](Self::cache_mut) (the batch scheduler does it in chunks between other
+    /// with [`prefill`](Self::prefill) (the batch scheduler does it in chunks between other
     /// sessions' trees). The cache is limited to what this session can need (prompt, new
-    /// tokens and one tree), which is what [`kv_tokens`] reserves for it.
+    /// tokens and one tree, [`kv_tokens`]); the node reserves KV memory for
+    /// [`cache_capacity`](Self::cache_capacity) entries.
     pub fn new(
         model: &Model,
         prefix: &[u32],
@@ -148,11 +149,6 @@ impl VerifySession {
     /// Most entries this session's cache may hold (what its KV reservation covers).
     pub fn cache_capacity(&self) -> usize {
         self.cache.capacity()
-    }
-
-    /// The cache, for prefilling the prefix after [`new`](Self::new).
-    pub fn cache_mut(&mut self) -> &mut KvCache {
-        &mut self.cache
     }
 
     /// Verify one tree alone: [`prepare`](Self::prepare), one forward, [`finish`](Self::finish).
@@ -271,6 +267,6 @@ impl VerifySession {
 
 /// KV entries a session may come to hold: its prefix, every new token, and one tree in
 /// flight (capped by the context limit). The node reserves memory for this many at `open`.
-pub fn kv_tokens(prefix: usize, max_new_tokens: usize, limits: &SessionLimits) -> usize {
+fn kv_tokens(prefix: usize, max_new_tokens: usize, limits: &SessionLimits) -> usize {
     (prefix + 1 + max_new_tokens + limits.max_tree_nodes).min(limits.max_context)
 }

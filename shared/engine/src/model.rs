@@ -785,18 +785,15 @@ impl Model {
         let hidden = self.forward_hidden_batch(&mut caches, &tokens, &segments)?;
         // One LM head pass for every entry's rows: the head is the largest matrix.
         let vocab = self.info.vocab_size;
-        let all = self.logits(&hidden, &rows, vocab)?.into_vec();
+        let mut all = self.logits(&hidden, &rows, vocab)?.into_vec();
+        // Split from the end: each entry's rows move out once, and a lone entry's not at all.
         let mut out = Vec::with_capacity(entries.len());
-        let mut at = 0;
-        for entry in entries.iter() {
+        for entry in entries.iter().rev() {
             let k = entry.rows.len();
-            out.push(Logits::new(
-                k,
-                vocab,
-                all[at * vocab..(at + k) * vocab].to_vec(),
-            ));
-            at += k;
+            let tail = all.split_off(all.len() - k * vocab);
+            out.push(Logits::new(k, vocab, tail));
         }
+        out.reverse();
         Ok(out)
     }
 
