@@ -11,8 +11,9 @@
 //! ```
 //!
 //! The only departure from a stock decoder is the batch: `n` new tokens get arbitrary positions
-//! (`prefix + depth` for tree nodes) and an additive mask over `[cache prefix | new tokens]`
-//! built from the tree's ancestor relation. A single token (decode) needs no mask at all. Grouped
+//! (`prefix + depth` for tree nodes) and a mask over `[cache prefix | new tokens]` built from
+//! the tree's ancestor relation (a bitset, [`Visibility`]; an additive float mask only for
+//! candle's ops on a GPU). A single token (decode) needs no mask at all. Grouped
 //! query attention folds the query heads of a group into the row dimension, so K and V are never
 //! repeated per head.
 
@@ -21,6 +22,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
 
+use super::attention::Visibility;
 use super::cache::KvCache;
 use super::layers::{Embedding, Linear};
 use super::weights::{rope_inv_freqs, HParams, Loader, W};
@@ -118,18 +120,19 @@ struct SegmentStep<'a> {
     n: usize,
     /// Cache entries before the new tokens.
     prefix: usize,
-    /// Additive `(n, prefix + n)` mask; `None` when every new token sees everything (n = 1).
+    /// Additive `(n, prefix + n)` mask for candle's ops (GPU path only); `None` when every new
+    /// token sees everything (n = 1) or on the CPU path.
     mask: Option<Tensor>,
-    /// The same mask as raw values, for the CPU attention kernel.
-    mask_data: Option<&'a [f32]>,
+    /// What each row sees, for the CPU attention kernel; `None` = everything.
+    visible: Option<&'a Visibility>,
 }
 
 /// A sequence's new tokens before they become rows of a forward: where they sit and what they
 /// may see.
 struct Segment {
     positions: Vec<u32>,
-    /// Additive `n × (prefix + n)` mask, row-major; `None` for a single token.
-    mask: Option<Vec<f32>>,
+    /// What each new token sees; `None` for a single token (it sees everything).
+    visible: Option<Visibility>,
 }
 
 fn project(lin: &Linear, bias: &Option<Tensor>, x: &Tensor) -> candle_core::Result<Tensor> {
@@ -138,6 +141,47 @@ fn project(lin: &Linear, bias: &Option<Tensor>, x: &Tensor) -> candle_core::Resu
         Some(b) => y.broadcast_add(b),
         None => Ok(y),
     }
+}
+
+/// Several CPU-quantized projections of the same `(rows, in)` input in one fused pass
+/// ([`super::qmatmul::matmul_fused`]: one input quantization, one fork-join), each plus its
+/// bias, as row-major `rows × out` vectors. `None` when a projection is not on our CPU kernels
+/// (the caller then projects one by one). Each output equals [`project`]'s bit for bit: same
+/// column loops, same bias add.
+fn project_fused<const N: usize>(
+    lins: [&Linear; N],
+    biases: [&Option<Tensor>; N],
+    x: &Tensor,
+) -> candle_core::Result<Option<[Vec<f32>; N]>> {
+    let mut kernels = Vec::with_capacity(N);
+    for lin in lins {
+        match lin {
+            Linear::CpuQuant(k) => kernels.push(k.as_ref()),
+            _ => return Ok(None),
+        }
+    }
+    let (rows, _) = x.dims2()?;
+    let mut outs: [Vec<f32>; N] =
+        std::array::from_fn(|i| vec![0f32; rows * kernels[i].out_features()]);
+    super::attention::with_f32(x, |xs| {
+        let mut jobs: Vec<(&dyn super::qmatmul::QKernel, &mut [f32])> = kernels
+            .iter()
+            .zip(outs.iter_mut())
+            .map(|(k, o)| (*k, o.as_mut_slice()))
+            .collect();
+        super::qmatmul::matmul_fused(&mut jobs, rows, xs);
+    })?;
+    for (out, bias) in outs.iter_mut().zip(biases) {
+        if let Some(b) = bias {
+            let b: Vec<f32> = b.to_vec1()?;
+            for row in out.chunks_exact_mut(b.len()) {
+                for (y, b) in row.iter_mut().zip(&b) {
+                    *y += b;
+                }
+            }
+        }
+    }
+    Ok(Some(outs))
 }
 
 impl Attention {
@@ -152,10 +196,26 @@ impl Attention {
         let (rows, _) = x.dims2()?;
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
 
+        let [q, k, v] = match project_fused(
+            [&self.wq, &self.wk, &self.wv],
+            [&self.bq, &self.bk, &self.bv],
+            x,
+        )? {
+            Some([q, k, v]) => [
+                Tensor::from_vec(q, (rows, h * d), x.device())?,
+                Tensor::from_vec(k, (rows, kvh * d), x.device())?,
+                Tensor::from_vec(v, (rows, kvh * d), x.device())?,
+            ],
+            None => [
+                project(&self.wq, &self.bq, x)?,
+                project(&self.wk, &self.bk, x)?,
+                project(&self.wv, &self.bv, x)?,
+            ],
+        };
         // (1, rows, heads, d): the layout rope_thd rotates in place, no transpose needed first.
-        let q = project(&self.wq, &self.bq, x)?.reshape((1, rows, h, d))?;
-        let k = project(&self.wk, &self.bk, x)?.reshape((1, rows, kvh, d))?;
-        let v = project(&self.wv, &self.bv, x)?.reshape((rows, kvh, d))?;
+        let q = q.reshape((1, rows, h, d))?;
+        let k = k.reshape((1, rows, kvh, d))?;
+        let v = v.reshape((rows, kvh, d))?;
         let q = candle_nn::rotary_emb::rope_thd(&q, step.cos, step.sin)?.squeeze(0)?;
         let k = candle_nn::rotary_emb::rope_thd(&k, step.cos, step.sin)?.squeeze(0)?;
 
@@ -187,7 +247,7 @@ impl Attention {
                     cap: kv.k.dim(1)?,
                 };
                 let q = q.contiguous()?; // (n, h, d)
-                let out = super::attention::attend(&q, &kv.k, &kv.v, seg.mask_data, &dims)?;
+                let out = super::attention::attend(&q, &kv.k, &kv.v, seg.visible, &dims)?;
                 if whole {
                     cpu_out = out;
                 } else {
@@ -246,6 +306,19 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Some([g, u]) = project_fused([&self.gate, &self.up], [&None, &None], x)? {
+            // silu(g) ⊙ u in one pass over the two outputs (same formula as candle's silu).
+            let rows = x.dims2()?.0;
+            let width = g.len() / rows.max(1);
+            let h: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            return self
+                .down
+                .forward(&Tensor::from_vec(h, (rows, width), x.device())?);
+        }
         let g = candle_nn::ops::silu(&self.gate.forward(x)?)?;
         let u = self.up.forward(x)?;
         self.down.forward(&(g * u)?)
@@ -485,7 +558,7 @@ impl Model {
             )));
         }
         let seg = tree_segment(tree, cache.len());
-        let hidden = self.forward_hidden(cache, tokens, seg.positions, seg.mask)?;
+        let hidden = self.forward_hidden(cache, tokens, seg.positions, seg.visible)?;
         self.logits(&hidden, rows, self.info.vocab_size)
     }
 
@@ -559,24 +632,22 @@ impl Model {
         let base = cache.len() - start;
         let fresh = n - start;
         let positions: Vec<u32> = (start..n).map(|i| (base + depth[i]) as u32).collect();
-        let mask = if start == 0 && fresh == 1 {
+        let visible = if start == 0 && fresh == 1 {
             None
         } else {
-            let len = base + n;
-            let mut m = vec![f32::NEG_INFINITY; fresh * len];
+            // The forest's nodes already cached and the fresh ones follow `base`.
+            let mut vis = Visibility::new(fresh, base, n);
             for (r, i) in (start..n).enumerate() {
-                let row = &mut m[r * len..(r + 1) * len];
-                row[..base].fill(0.0);
                 // Ancestors and self: walk up from the node.
                 let mut a = i as i32;
                 while a >= 0 {
-                    row[base + a as usize] = 0.0;
+                    vis.set(r, a as usize);
                     a = parents[a as usize];
                 }
             }
-            Some(m)
+            Some(vis)
         };
-        let hidden = self.forward_hidden(cache, &tokens[start..], positions, mask)?;
+        let hidden = self.forward_hidden(cache, &tokens[start..], positions, visible)?;
         let local: Vec<usize> = rows.iter().map(|&r| r - start).collect();
         self.logits(&hidden, &local, head_vocab)
     }
@@ -639,10 +710,10 @@ impl Model {
         tokens: &[u32],
     ) -> Result<Tensor, EngineError> {
         let seg = chain_segment(cache.len(), tokens.len());
-        self.forward_hidden(cache, tokens, seg.positions, seg.mask)
+        self.forward_hidden(cache, tokens, seg.positions, seg.visible)
     }
 
-    /// Run the blocks over `tokens` at `positions` with the given additive mask (`n × (prefix +
+    /// Run the blocks over `tokens` at `positions` with the given visibility (`n × (prefix +
     /// n)`, row-major) and return the final-normed hidden states `(n, hidden)`. The cache grows by
     /// `n` only if everything succeeds.
     fn forward_hidden(
@@ -650,9 +721,9 @@ impl Model {
         cache: &mut KvCache,
         tokens: &[u32],
         positions: Vec<u32>,
-        mask: Option<Vec<f32>>,
+        visible: Option<Visibility>,
     ) -> Result<Tensor, EngineError> {
-        self.forward_hidden_batch(&mut [cache], tokens, &[Segment { positions, mask }])
+        self.forward_hidden_batch(&mut [cache], tokens, &[Segment { positions, visible }])
     }
 
     /// [`forward_hidden`](Self::forward_hidden) for several sequences in one pass: `tokens` holds
@@ -701,16 +772,26 @@ impl Model {
         let pos = Tensor::new(positions.as_slice(), dev)?;
         let cos = self.cos.index_select(&pos, 0)?;
         let sin = self.sin.index_select(&pos, 0)?;
-        // The CPU attention kernel reads the raw mask; only the candle path needs a tensor.
+        // The CPU attention kernel reads the bitsets; only the candle path needs a float mask.
         let cpu_attention = self.cpu_attention;
         let mut steps = Vec::with_capacity(segments.len());
         let mut offset = 0;
         for (cache, seg) in caches.iter().zip(segments) {
             let (n, prefix) = (seg.positions.len(), cache.len());
-            let mask = match &seg.mask {
-                Some(m) if !cpu_attention => {
-                    Some(Tensor::from_slice(m, (n, prefix + n), dev)?.to_dtype(self.dtype)?)
+            if let Some(vis) = &seg.visible {
+                if vis.len() != prefix + n {
+                    return Err(EngineError::InvalidInput(format!(
+                        "mask covers {} cache entries, the step has {}",
+                        vis.len(),
+                        prefix + n
+                    )));
                 }
+            }
+            let mask = match &seg.visible {
+                Some(vis) if !cpu_attention => Some(
+                    Tensor::from_vec(vis.additive(n), (n, prefix + n), dev)?
+                        .to_dtype(self.dtype)?,
+                ),
                 _ => None,
             };
             steps.push(SegmentStep {
@@ -718,7 +799,7 @@ impl Model {
                 n,
                 prefix,
                 mask,
-                mask_data: seg.mask.as_deref(),
+                visible: seg.visible.as_ref(),
             });
             offset += n;
         }
@@ -850,38 +931,29 @@ pub enum BatchShape<'a> {
     Chain,
 }
 
-/// Positions and mask of a tree's nodes after `prefix` cached entries.
+/// Positions and visibility of a tree's nodes after `prefix` cached entries.
 fn tree_segment(tree: &Tree, prefix: usize) -> Segment {
     let n = tree.len();
     let positions = (0..n).map(|i| (prefix + tree.depth(i)) as u32).collect();
-    let mask = (n > 1).then(|| {
-        let len = prefix + n;
-        let mut m = vec![0f32; n * len];
+    let visible = (n > 1).then(|| {
+        let mut vis = Visibility::new(n, prefix, n);
         for i in 0..n {
-            let row = &mut m[i * len + prefix..(i + 1) * len];
-            for (j, v) in row.iter_mut().enumerate() {
-                if !tree.attends(i, j) {
-                    *v = f32::NEG_INFINITY;
+            for j in 0..n {
+                if tree.attends(i, j) {
+                    vis.set(i, j);
                 }
             }
         }
-        m
+        vis
     });
-    Segment { positions, mask }
+    Segment { positions, visible }
 }
 
-/// Positions and causal mask of `n` chained tokens after `prefix` cached entries.
+/// Positions and causal visibility of `n` chained tokens after `prefix` cached entries.
 fn chain_segment(prefix: usize, n: usize) -> Segment {
     let positions = (prefix..prefix + n).map(|p| p as u32).collect();
-    let mask = (n > 1).then(|| {
-        let len = prefix + n;
-        let mut m = vec![0f32; n * len];
-        for i in 0..n {
-            m[i * len + prefix + i + 1..(i + 1) * len].fill(f32::NEG_INFINITY);
-        }
-        m
-    });
-    Segment { positions, mask }
+    let visible = (n > 1).then(|| Visibility::causal(n, prefix));
+    Segment { positions, visible }
 }
 
 /// `cos` and `sin` of `position · θ_i` for every position below `max_context`.

@@ -27,12 +27,10 @@ use super::qkernels::{self, Act32, ActBlock, ActK, Format, Isa, OutPtr, Packed};
 use super::EngineError;
 
 /// An input quantized once for several matmuls that read it (Q/K/V, gate/up):
-/// [`QKernel::quantize_input`] then [`QKernel::matmul_quantized`]. Valid for kernels with the
-/// same `in_features` and the same activation format (the K-quants Q4_K/Q6_K share one, the
-/// 32-value formats Q5_0/Q8_0/Q4_1 another; other types keep the f32 rows).
-// Not yet used by the model's forward (Q/K/V and gate/up still quantize their input each);
-// kept with its test so the fused path can build on it.
-#[allow(dead_code)]
+/// [`QKernel::quantize_input`] then [`QKernel::matmul_quantized`], or all at once through
+/// [`matmul_fused`]. Valid for kernels with the same `in_features` and the same activation
+/// format ([`ActFormat`]: the K-quants Q4_K/Q6_K share one, the 32-value formats
+/// Q5_0/Q8_0/Q4_1 another; other types keep the f32 rows).
 #[derive(Debug)]
 pub(crate) enum QuantizedInput {
     K {
@@ -52,8 +50,8 @@ pub(crate) enum QuantizedInput {
     },
 }
 
-#[allow(dead_code)]
 impl QuantizedInput {
+    #[allow(dead_code)] // tests
     pub(crate) fn rows(&self) -> usize {
         match self {
             QuantizedInput::K { m, .. }
@@ -63,14 +61,27 @@ impl QuantizedInput {
     }
 }
 
+/// Which quantized form of the input a kernel reads: kernels of one format can share one
+/// [`QuantizedInput`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ActFormat {
+    /// Int8 per 256 values with block sums ([`ActK`]).
+    K,
+    /// Int8 per 32 values ([`Act32`]).
+    B32,
+    /// The f32 rows themselves (kernels without a repacked layout).
+    Raw,
+}
+
 /// Activation block types that live in a [`QuantizedInput`].
-#[allow(dead_code)]
 pub(crate) trait InputActs: ActBlock {
+    const FORMAT: ActFormat;
     fn wrap(acts: Vec<Self>, m: usize, k: usize) -> QuantizedInput;
     fn unwrap(q: &QuantizedInput) -> Option<(&[Self], usize, usize)>;
 }
 
 impl InputActs for ActK {
+    const FORMAT: ActFormat = ActFormat::K;
     fn wrap(acts: Vec<Self>, m: usize, k: usize) -> QuantizedInput {
         QuantizedInput::K { m, k, acts }
     }
@@ -83,6 +94,7 @@ impl InputActs for ActK {
 }
 
 impl InputActs for Act32 {
+    const FORMAT: ActFormat = ActFormat::B32;
     fn wrap(acts: Vec<Self>, m: usize, k: usize) -> QuantizedInput {
         QuantizedInput::B32 { m, k, acts }
     }
@@ -95,7 +107,6 @@ impl InputActs for Act32 {
 }
 
 /// A quantized weight matrix `W` of shape `(out_features, in_features)` with `y = x · Wᵀ`.
-#[allow(dead_code)] // quantize_input / matmul_quantized: see QuantizedInput
 pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
     fn out_features(&self) -> usize;
     fn in_features(&self) -> usize;
@@ -137,10 +148,82 @@ pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
     ///
     /// # Panics
     /// If `q` was quantized for an incompatible format or width.
+    #[allow(dead_code)] // tests; the model goes through `matmul_fused`
     fn matmul_quantized(&self, q: &QuantizedInput, dst: &mut [f32]) {
         match q {
             QuantizedInput::Raw { m, k, x } if *k == self.in_features() => self.matmul(*m, x, dst),
             _ => panic!("quantized input does not fit {self:?}"),
+        }
+    }
+    /// The input form this kernel reads.
+    fn act_format(&self) -> ActFormat {
+        ActFormat::Raw
+    }
+    /// How many independent column tasks this kernel splits into inside [`matmul_fused`];
+    /// 0 = it cannot take part (it then runs on its own, after the fused pass).
+    fn fused_tasks(&self) -> usize {
+        0
+    }
+    /// Task `task` of [`Self::fused_tasks`]: its columns of `q · Wᵀ` into `out`.
+    ///
+    /// # Safety
+    /// `out` wraps a live `m × out_features` output whose columns of this task no other thread
+    /// writes meanwhile; `q` has this kernel's [`Self::act_format`] and width.
+    unsafe fn run_fused_task(&self, _q: &QuantizedInput, _task: usize, _out: OutPtr) {
+        unreachable!("{self:?} takes no part in fused passes")
+    }
+}
+
+/// Column groups per task of a fused pass: small enough that a few matrices of a layer give
+/// every thread many tasks to balance with, large enough that a task's prefetch stream runs.
+const FUSED_TASK_GROUPS: usize = 4;
+
+/// Several matrices that read the same input (Q, K and V; gate and up) multiplied in **one**
+/// parallel pass: the input is quantized once per activation format, and all matrices' column
+/// tasks share one fork-join, so threads balance across matrices instead of waiting at the end
+/// of each. Every output column is computed by the same loop as [`QKernel::matmul`], so the
+/// results are bit-identical to separate calls.
+///
+/// `jobs[i] = (kernel, out)` with `out` of `m × kernel.out_features()`; every kernel has
+/// `in_features = lhs.len() / m`.
+pub(crate) fn matmul_fused(jobs: &mut [(&dyn QKernel, &mut [f32])], m: usize, lhs: &[f32]) {
+    if m == 0 {
+        return;
+    }
+    let k = lhs.len() / m;
+    for (kern, out) in jobs.iter() {
+        assert_eq!(kern.in_features(), k, "fused matmul: input width");
+        assert_eq!(
+            out.len(),
+            m * kern.out_features(),
+            "fused matmul: output size"
+        );
+    }
+    // One quantized input per activation format among the kernels that take part.
+    let mut inputs: Vec<(ActFormat, QuantizedInput)> = Vec::new();
+    for (kern, _) in jobs.iter() {
+        let f = kern.act_format();
+        if kern.fused_tasks() > 0 && !inputs.iter().any(|(g, _)| *g == f) {
+            inputs.push((f, kern.quantize_input(m, lhs)));
+        }
+    }
+    let input = |f: ActFormat| &inputs.iter().find(|(g, _)| *g == f).expect("quantized").1;
+    let mut tasks: Vec<(usize, usize)> = Vec::new();
+    let mut outs = Vec::with_capacity(jobs.len());
+    for (j, (kern, out)) in jobs.iter_mut().enumerate() {
+        tasks.extend((0..kern.fused_tasks()).map(|t| (j, t)));
+        outs.push(OutPtr::new(out, kern.out_features()));
+    }
+    let kernels: Vec<&dyn QKernel> = jobs.iter().map(|(k, _)| *k).collect();
+    tasks.par_iter().for_each(|&(j, t)| {
+        let kern = kernels[j];
+        // SAFETY: tasks of one kernel cover disjoint columns of its own output, which the
+        // caller keeps alive (borrowed by `jobs`) until this pass returns.
+        unsafe { kern.run_fused_task(input(kern.act_format()), t, outs[j]) };
+    });
+    for (kern, out) in jobs.iter_mut() {
+        if kern.fused_tasks() == 0 {
+            kern.matmul(m, lhs, out);
         }
     }
 }
@@ -302,6 +385,25 @@ where
                 _ => panic!("quantized input does not fit {self:?}"),
             },
         }
+    }
+
+    fn act_format(&self) -> ActFormat {
+        F::Act::FORMAT
+    }
+
+    fn fused_tasks(&self) -> usize {
+        self.w.n.div_ceil(qkernels::G).div_ceil(FUSED_TASK_GROUPS)
+    }
+
+    unsafe fn run_fused_task(&self, q: &QuantizedInput, task: usize, out: OutPtr) {
+        let Some((acts, m, k)) = F::Act::unwrap(q) else {
+            panic!("quantized input does not fit {self:?}");
+        };
+        assert_eq!(k, self.w.k, "quantized input width");
+        let groups = self.w.n.div_ceil(qkernels::G);
+        let g = task * FUSED_TASK_GROUPS..((task + 1) * FUSED_TASK_GROUPS).min(groups);
+        // SAFETY: the caller's contract (disjoint columns of a live output).
+        unsafe { self.w.columns(qkernels::isa(), acts, m, g, out) };
     }
 }
 
@@ -784,6 +886,46 @@ mod tests {
                 kern.matmul(5, &x, &mut a);
                 kern.matmul_quantized(&q, &mut b);
                 assert_eq!(a, b, "{kern:?}");
+            }
+        }
+    }
+
+    /// One fused pass over matrices of mixed formats (both activation formats, and a type
+    /// without a repacked kernel that runs on its own) gives every output bit for bit what
+    /// its own `matmul` gives, for any number of rows.
+    #[test]
+    fn fused_pass_equals_separate_matmuls() {
+        let k = 512;
+        // Widths that are not multiples of a task (4 groups of 16 columns) or a group.
+        let specs = [
+            (GgmlDType::Q4K, 200),
+            (GgmlDType::Q6K, 37),
+            (GgmlDType::Q8_0, 64),
+            (GgmlDType::Q5_0, 21),
+            (GgmlDType::Q4_1, 130),
+            (GgmlDType::Q5K, 19),
+        ];
+        let kerns: Vec<_> = specs.iter().map(|&(d, n)| setup(d, n, k).0).collect();
+        for m in [1, 3, 8, 17] {
+            let x = inputs(m, k);
+            let mut fused: Vec<Vec<f32>> = kerns
+                .iter()
+                .map(|kern| vec![f32::NAN; m * kern.out_features()])
+                .collect();
+            let mut jobs: Vec<(&dyn QKernel, &mut [f32])> = kerns
+                .iter()
+                .zip(fused.iter_mut())
+                .map(|(kern, o)| (kern.as_ref(), o.as_mut_slice()))
+                .collect();
+            matmul_fused(&mut jobs, m, &x);
+            for (kern, got) in kerns.iter().zip(&fused) {
+                let mut want = vec![0f32; m * kern.out_features()];
+                kern.matmul(m, &x, &mut want);
+                assert_eq!(
+                    want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "{kern:?}, m = {m}"
+                );
             }
         }
     }
