@@ -19,7 +19,8 @@
 use candle_core::{Result, Storage, Tensor};
 use rayon::prelude::*;
 
-/// Fixed-order dot product: eight running sums, combined in a fixed order.
+/// Fixed-order dot product: eight running sums (lane `l` takes elements `l, l + 8, ...`, each a
+/// multiply then an add), combined in a fixed order.
 #[inline]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
@@ -35,6 +36,71 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         tail += a[i] * b[i];
     }
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// [`dot`] of `q` with four keys at once, each result bit-identical to `dot(q, k)`: the four
+/// accumulations are independent chains, so they hide each other's add latency (one chain alone
+/// waits on every add).
+#[inline]
+fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if q.len().is_multiple_of(8) && k.iter().all(|k| k.len() == q.len()) {
+        use std::arch::x86_64::*;
+        // SAFETY: AVX2 is enabled at compile time; every load reads 8 floats inside `q` or a
+        // key of the same length.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for c in (0..q.len()).step_by(8) {
+                let x = _mm256_loadu_ps(q.as_ptr().add(c));
+                for (a, k) in acc.iter_mut().zip(&k) {
+                    let y = _mm256_loadu_ps(k.as_ptr().add(c));
+                    *a = _mm256_add_ps(*a, _mm256_mul_ps(x, y));
+                }
+            }
+            return acc.map(|a| {
+                let mut l = [0f32; 8];
+                _mm256_storeu_ps(l.as_mut_ptr(), a);
+                // Same combination as `dot` (its tail is empty here: 0 + x = x exactly).
+                ((l[0] + l[4]) + (l[1] + l[5])) + ((l[2] + l[6]) + (l[3] + l[7])) + 0.0
+            });
+        }
+    }
+    k.map(|k| dot(q, k))
+}
+
+/// `o += w_j · v_j` for each `(w_j, v_j)` in order: per element of `o` the same sequence of
+/// multiply-then-add as a plain loop, with `o` held in registers across the rows.
+#[inline]
+fn axpy_rows<'v>(o: &mut [f32], rows: impl Iterator<Item = (f32, &'v [f32])> + Clone) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if o.len().is_multiple_of(64) {
+        use std::arch::x86_64::*;
+        for c0 in (0..o.len()).step_by(64) {
+            // SAFETY: AVX2 is enabled at compile time; loads and stores cover `o[c0..c0 + 64]`
+            // and the same range of each value row (asserted to be as long as `o`).
+            unsafe {
+                let mut acc: [__m256; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_ps(o.as_ptr().add(c0 + 8 * i)));
+                for (w, v) in rows.clone() {
+                    assert_eq!(v.len(), o.len());
+                    let wv = _mm256_set1_ps(w);
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let x = _mm256_loadu_ps(v.as_ptr().add(c0 + 8 * i));
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(wv, x));
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(c0 + 8 * i), *a);
+                }
+            }
+        }
+        return;
+    }
+    for (w, v) in rows {
+        for (o, &x) in o.iter_mut().zip(v) {
+            *o += w * x;
+        }
+    }
 }
 
 /// Borrow a contiguous f32 CPU tensor's data (offset applied) and hand it to `f`.
@@ -202,10 +268,62 @@ pub(crate) fn attend(
     Ok(out)
 }
 
+/// `e^x` for `x ≤ 0` (a score minus the row's max), within about one ulp of `expf`; 0 below
+/// the smallest normal result (and for −∞). Straight-line f32 arithmetic, so a loop over a
+/// row's scores vectorizes (a scalar `expf` call per key was most of the attention time at
+/// long contexts). Range reduction by ln 2 in two parts, then a degree-6 polynomial on
+/// [−ln2/2, ln2/2], the classic single-precision scheme.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const MIN: f32 = -87.0;
+    let xc = x.max(MIN);
+    let n = (xc * LOG2E + 0.5).floor();
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let z = r * r;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1;
+    let y = p * z + r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x < MIN {
+        0.0
+    } else {
+        y * scale
+    }
+}
+
+/// Sum in a fixed order: eight running sums by position, combined in a fixed order. The
+/// position of every term is the same for a query whatever else shares its forward (the
+/// scores are compacted to the visible keys first), so the sum is too.
+#[inline]
+fn sum8(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = xs.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += xs[c * 8 + l];
+        }
+    }
+    let mut tail = 0f32;
+    for &x in &xs[chunks * 8..] {
+        tail += x;
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
 /// The queries `range` (index `row · group + head-in-group`) of KV head `g`, over `keys` and
-/// `vals` (`len × d` each). Per query the arithmetic is the same whatever the tile holds:
-/// scores in key order, max, exponentials and their sum in key order, then the weighted sum
-/// of values in key order.
+/// `vals` (`len × d` each).
+///
+/// Each query's scores are **compacted** to the keys it sees, in key order: the shared dense
+/// prefix, then its visible new tokens. For a tree node that is the committed prefix followed
+/// by its ancestors and itself, exactly the cache a sequential decode of the same token reads,
+/// in the same order, so every reduction below (max, the sum of exponentials, the weighted sum
+/// of values) sees the same terms in the same positions and gives the same bits, whatever the
+/// tile or the forward holds.
 #[allow(clippy::too_many_arguments)]
 fn attend_tile(
     q: &[f32],
@@ -219,57 +337,83 @@ fn attend_tile(
     d: usize,
     len: usize,
 ) -> Vec<f32> {
-    let tq = range.len();
     let scale = 1.0 / (d as f32).sqrt();
-    // (row, query vector) of each query of the tile.
-    let qs: Vec<(usize, &[f32])> = range
+    let dense = visible.map_or(len, |v| v.dense.min(len));
+    // Per query: its row, its vector, and the new tokens (after `dense`) it sees.
+    let qs: Vec<(usize, &[f32], Vec<usize>)> = range
         .map(|qi| {
             let (i, h) = (qi / group, g * group + qi % group);
-            (i, &q[(i * heads + h) * d..(i * heads + h + 1) * d])
+            let sparse = match visible {
+                Some(vis) => (dense..len).filter(|&j| vis.sees(i, j)).collect(),
+                None => Vec::new(),
+            };
+            (i, &q[(i * heads + h) * d..(i * heads + h + 1) * d], sparse)
         })
         .collect();
-    let mut scores = vec![f32::NEG_INFINITY; tq * len];
-    for j0 in (0..len).step_by(KEY_BLOCK) {
-        let j1 = (j0 + KEY_BLOCK).min(len);
-        for (t, &(i, qv)) in qs.iter().enumerate() {
-            let s = &mut scores[t * len..(t + 1) * len];
-            for j in j0..j1 {
-                if visible.is_none_or(|vis| vis.sees(i, j)) {
-                    s[j] = dot(qv, &keys[j * d..(j + 1) * d]) * scale;
+    let widths: Vec<usize> = qs.iter().map(|(_, _, sp)| dense + sp.len()).collect();
+    let offsets: Vec<usize> = widths
+        .iter()
+        .scan(0, |o, &w| {
+            let start = *o;
+            *o += w;
+            Some(start)
+        })
+        .collect();
+    let mut scores = vec![0f32; widths.iter().sum()];
+    // Scores of the shared prefix: each block of key rows is read once for the whole tile.
+    for j0 in (0..dense).step_by(KEY_BLOCK) {
+        let j1 = (j0 + KEY_BLOCK).min(dense);
+        for (t, (_, qv, _)) in qs.iter().enumerate() {
+            let s = &mut scores[offsets[t]..offsets[t] + dense];
+            let key = |j: usize| &keys[j * d..(j + 1) * d];
+            let mut j = j0;
+            while j + 4 <= j1 {
+                let dots = dot4(qv, [key(j), key(j + 1), key(j + 2), key(j + 3)]);
+                for (x, v) in s[j..j + 4].iter_mut().zip(dots) {
+                    *x = v * scale;
                 }
+                j += 4;
+            }
+            for j in j..j1 {
+                s[j] = dot(qv, key(j)) * scale;
             }
         }
     }
-    for s in scores.chunks_exact_mut(len) {
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-        let mut sum = 0f32;
-        for x in s.iter_mut() {
-            *x = if *x == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (*x - max).exp()
-            };
-            sum += *x;
+    for (t, (_, qv, sparse)) in qs.iter().enumerate() {
+        let s = &mut scores[offsets[t] + dense..offsets[t] + widths[t]];
+        for (x, &j) in s.iter_mut().zip(sparse) {
+            *x = dot(qv, &keys[j * d..(j + 1) * d]) * scale;
         }
-        let inv = 1.0 / sum;
+    }
+    // Softmax of each query's compacted scores.
+    for (t, &w) in widths.iter().enumerate() {
+        let s = &mut scores[offsets[t]..offsets[t] + w];
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        for x in s.iter_mut() {
+            *x = exp_nonpositive(*x - max);
+        }
+        let inv = 1.0 / sum8(s);
         for x in s.iter_mut() {
             *x *= inv;
         }
     }
-    let mut out = vec![0f32; tq * d];
-    for j0 in (0..len).step_by(KEY_BLOCK) {
-        let j1 = (j0 + KEY_BLOCK).min(len);
+    // Weighted sums of values, in key order: the shared prefix blockwise, then each query's own.
+    let mut out = vec![0f32; qs.len() * d];
+    for j0 in (0..dense).step_by(KEY_BLOCK) {
+        let j1 = (j0 + KEY_BLOCK).min(dense);
         for (t, o) in out.chunks_exact_mut(d).enumerate() {
-            let p = &scores[t * len..(t + 1) * len];
-            for j in j0..j1 {
-                let w = p[j];
-                if w != 0.0 {
-                    for (o, &x) in o.iter_mut().zip(&vals[j * d..(j + 1) * d]) {
-                        *o += w * x;
-                    }
-                }
-            }
+            let p = &scores[offsets[t]..offsets[t] + dense];
+            axpy_rows(o, (j0..j1).map(|j| (p[j], &vals[j * d..(j + 1) * d])));
         }
+    }
+    for (t, o) in out.chunks_exact_mut(d).enumerate() {
+        let p = &scores[offsets[t] + dense..offsets[t] + widths[t]];
+        axpy_rows(
+            o,
+            p.iter()
+                .zip(&qs[t].2)
+                .map(|(&w, &j)| (w, &vals[j * d..(j + 1) * d])),
+        );
     }
     out
 }
@@ -279,7 +423,8 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// The reference: one (row, head) at a time over an additive mask.
+    /// The reference: one (row, head) at a time, over the keys its additive mask lets it see,
+    /// gathered in key order (what a sequential decode's cache holds).
     fn naive(q: &[f32], k: &[f32], v: &[f32], mask: &[f32], dims: &Dims) -> Vec<f32> {
         let (n, h, kvh, d, len, cap) = (
             dims.n,
@@ -296,41 +441,44 @@ mod tests {
             for hh in 0..h {
                 let g = hh / group;
                 let qv = &q[(i * h + hh) * d..(i * h + hh + 1) * d];
-                let mut s: Vec<f32> = (0..len)
-                    .map(|j| {
-                        if mask[i * len + j] == f32::NEG_INFINITY {
-                            f32::NEG_INFINITY
-                        } else {
-                            dot(qv, &k[(g * cap + j) * d..(g * cap + j + 1) * d]) * scale
-                        }
-                    })
+                let seen: Vec<usize> = (0..len)
+                    .filter(|&j| mask[i * len + j] != f32::NEG_INFINITY)
                     .collect();
+                let key = |j: usize| &k[(g * cap + j) * d..(g * cap + j + 1) * d];
+                let mut s: Vec<f32> = seen.iter().map(|&j| dot(qv, key(j)) * scale).collect();
                 let max = s.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                let mut sum = 0f32;
                 for x in s.iter_mut() {
-                    *x = if *x == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        (*x - max).exp()
-                    };
-                    sum += *x;
+                    *x = exp_nonpositive(*x - max);
                 }
-                let inv = 1.0 / sum;
+                let inv = 1.0 / sum8(&s);
                 let o = &mut out[(i * h + hh) * d..(i * h + hh + 1) * d];
-                for (j, &p) in s.iter().enumerate() {
-                    if p != 0.0 {
-                        let w = p * inv;
-                        for (o, &x) in o
-                            .iter_mut()
-                            .zip(&v[(g * cap + j) * d..(g * cap + j + 1) * d])
-                        {
-                            *o += w * x;
-                        }
+                for (&p, &j) in s.iter().zip(&seen) {
+                    let w = p * inv;
+                    for (o, &x) in o
+                        .iter_mut()
+                        .zip(&v[(g * cap + j) * d..(g * cap + j + 1) * d])
+                    {
+                        *o += w * x;
                     }
                 }
             }
         }
         out
+    }
+
+    /// The polynomial exponential stays within 2 ulp of the library's over the range scores
+    /// minus their max take, and is 0 for −∞.
+    #[test]
+    fn exp_matches_the_library() {
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+        let mut x = 0f32;
+        while x > -87.0 {
+            let (got, want) = (exp_nonpositive(x), x.exp());
+            let ulps = (got.to_bits() as i64 - want.to_bits() as i64).abs();
+            assert!(ulps <= 2, "exp({x}) = {got}, library {want} ({ulps} ulp)");
+            x -= 0.0137;
+        }
     }
 
     fn rand(len: usize, seed: u64) -> Vec<f32> {
@@ -350,8 +498,15 @@ mod tests {
     /// output does not depend on the other rows of the call.
     #[test]
     fn tiled_attention_equals_one_query_at_a_time() {
-        let (heads, kv_heads, d, cap) = (6, 2, 16, 300);
-        for (n, prefix) in [(1, 0), (1, 130), (5, 70), (23, 130), (40, 3)] {
+        let (heads, kv_heads, cap) = (6, 2, 300);
+        // d = 128 takes the vector paths of both passes, d = 20 the plain loops.
+        for (n, prefix, d) in [
+            (1, 0, 128),
+            (1, 130, 20),
+            (5, 70, 128),
+            (23, 130, 128),
+            (40, 3, 20),
+        ] {
             let len = prefix + n;
             let dims = Dims {
                 n,
