@@ -801,7 +801,44 @@ pub(crate) trait Format: Send + Sync + 'static {
         half: usize,
         acts: &[*const Self::Act; R],
         out: &mut [S::F; R],
+        pf: Pf,
     );
+}
+
+/// Software prefetch of one (group, block) slot further ahead, issued by a format's kernel in
+/// `parts` pieces between its sub-blocks: a burst of all of a K-quant block's 36–52 lines at
+/// once fills the miss buffers and stalls the loads the arithmetic waits for.
+#[derive(Clone, Copy)]
+pub(crate) struct Pf {
+    /// Address of the slot's quant data to prefetch (0: none).
+    main: usize,
+    /// Address of its scales.
+    aux: usize,
+    /// End of the weight buffer (nothing at or past it is prefetched).
+    end: usize,
+}
+
+impl Pf {
+    const NONE: Pf = Pf {
+        main: 0,
+        aux: 0,
+        end: 0,
+    };
+
+    /// Piece `i` of `parts` of a slot with `main_bytes` of quant data (the scales with piece 0).
+    #[inline(always)]
+    fn part(self, i: usize, parts: usize, main_bytes: usize) {
+        if self.main == 0 {
+            return;
+        }
+        let lines = main_bytes / 64;
+        for l in (i * lines / parts)..((i + 1) * lines / parts) {
+            prefetch(self.main + 64 * l, self.end);
+        }
+        if i == 0 {
+            prefetch(self.aux, self.end);
+        }
+    }
 }
 
 /// Byte of the 4-bit plane holding value `k` of column `col` (`nk` k-groups per block), and
@@ -1110,15 +1147,18 @@ impl Format for Q4K {
         half: usize,
         acts: &[*const ActK; R],
         out: &mut [S::F; R],
+        pf: Pf,
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
             let lanes = S::LANES;
             let mut sumi = [S::zero(); R];
             for j in 0..4 {
+                pf.part(j, 8, Self::MAIN);
                 q4k_sub::<S, R, false>(main, j, half, acts, &mut sumi);
             }
             for j in 0..4 {
+                pf.part(4 + j, 8, Self::MAIN);
                 q4k_sub::<S, R, true>(main, j, half, acts, &mut sumi);
             }
             let d = S::load_f16(aux.add(2 * lanes * half));
@@ -1212,6 +1252,7 @@ impl Format for Q6K {
         half: usize,
         acts: &[*const ActK; R],
         out: &mut [S::F; R],
+        pf: Pf,
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
@@ -1219,9 +1260,11 @@ impl Format for Q6K {
             let mut sumi = [S::zero(); R];
             if R > Q6K_QUAD_MAX_R * S::LANES / 16 {
                 for j in 0..4 {
+                    pf.part(j, 8, Self::MAIN);
                     q6k_sub::<S, R, 0>(main, j, half, acts, &mut sumi);
                 }
                 for j in 0..4 {
+                    pf.part(4 + j, 8, Self::MAIN);
                     q6k_sub::<S, R, 1>(main, j, half, acts, &mut sumi);
                 }
                 for j in 0..4 {
@@ -1232,6 +1275,7 @@ impl Format for Q6K {
                 }
             } else {
                 for j in 0..4 {
+                    pf.part(j, 4, Self::MAIN);
                     q6k_quad::<S, R>(main, j, half, acts, &mut sumi);
                 }
             }
@@ -1296,9 +1340,11 @@ impl Format for Q5_0 {
         half: usize,
         acts: &[*const Act32; R],
         out: &mut [S::F; R],
+        pf: Pf,
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
+            pf.part(0, 1, Self::MAIN);
             let m4 = S::set1_i8(0x0F);
             let m10 = S::set1_i8(0x10);
             let hv = S::load(main.add(256 + 32 * half));
@@ -1382,9 +1428,11 @@ impl Format for Q8_0 {
         half: usize,
         acts: &[*const Act32; R],
         out: &mut [S::F; R],
+        pf: Pf,
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
+            pf.part(0, 1, Self::MAIN);
             let mut a = [S::zero(); R];
             let mut b = [S::zero(); R];
             if S::Q8_BIASED {
@@ -1466,9 +1514,11 @@ impl Format for Q4_1 {
         half: usize,
         acts: &[*const Act32; R],
         out: &mut [S::F; R],
+        pf: Pf,
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
+            pf.part(0, 1, Self::MAIN);
             let m4 = S::set1_i8(0x0F);
             let mut a = [S::zero(); R];
             let mut b = [S::zero(); R];
@@ -1744,15 +1794,18 @@ impl<F: Format> Packed<F> {
                 std::array::from_fn(|r| acts.as_ptr().add((t0 + r) * kb));
             let mut acc = [S::fzero(); R];
             for b in 0..kb {
-                if pf > 0 {
-                    let m = g.add(b * F::MAIN) as usize;
-                    for l in (0..F::MAIN).step_by(64) {
-                        prefetch(m + pf + l, end);
+                let ahead = if pf > 0 {
+                    Pf {
+                        main: g.add(b * F::MAIN) as usize + pf,
+                        aux: aux.add(b * F::AUX) as usize + pf,
+                        end,
                     }
-                    prefetch(aux.add(b * F::AUX) as usize + pf, end);
-                }
+                } else {
+                    Pf::NONE
+                };
                 let a: [*const F::Act; R] = std::array::from_fn(|r| rows[r].add(b));
-                F::block::<S, R>(g.add(b * F::MAIN), aux.add(b * F::AUX), half, &a, &mut acc);
+                let (main, aux) = (g.add(b * F::MAIN), aux.add(b * F::AUX));
+                F::block::<S, R>(main, aux, half, &a, &mut acc, ahead);
             }
             let c0 = gi * G + half * S::LANES;
             let valid = S::LANES.min(self.n.saturating_sub(c0));
