@@ -16,6 +16,8 @@
 #   --ik-src DIR        ik_llama.cpp source checkout (same as IK_LLAMA_SRC=DIR)
 #   --skip-build        use the existing builds; fail if one is missing
 #   --only-build        build (or check the builds) and exit without benchmarking
+#   --no-avx2           skip the AVX2-only llama.cpp build and its rows (the native build alone:
+#                       half the build time on a small machine)
 #   --no-sequoia        benchmark the peers only (no sequoia binary needed)
 #   -h, --help          this text
 #
@@ -86,6 +88,7 @@ JSON_OUT=
 IK_SRC=${IK_LLAMA_SRC:-}
 SKIP_BUILD=0
 ONLY_BUILD=0
+NO_AVX2=0
 RUN_SEQUOIA=1
 
 log() { echo "peer-llamacpp: $*" >&2; }
@@ -108,6 +111,7 @@ while [[ $# -gt 0 ]]; do
     --ik-src) need_arg "$@"; IK_SRC=$2; shift 2 ;;
     --skip-build) SKIP_BUILD=1; shift ;;
     --only-build) ONLY_BUILD=1; shift ;;
+    --no-avx2) NO_AVX2=1; shift ;;
     --no-sequoia) RUN_SEQUOIA=0; shift ;;
     -h | --help) usage; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
@@ -332,8 +336,10 @@ fi
 PEERS=()     # label|bin dir|extra llama-bench args
 build "llama.cpp-$LCP_VERSION-native" "$LLAMA_SRC" native
 PEERS+=("llama.cpp native|$BUILT_BIN|")
-build "llama.cpp-$LCP_VERSION-avx2" "$LLAMA_SRC" avx2
-PEERS+=("llama.cpp avx2|$BUILT_BIN|")
+if [[ $NO_AVX2 == 0 ]]; then
+    build "llama.cpp-$LCP_VERSION-avx2" "$LLAMA_SRC" avx2
+    PEERS+=("llama.cpp avx2|$BUILT_BIN|")
+fi
 if [[ -n $IK_SRC ]]; then
     ik_tag=$(basename "$IK_SRC")-$(printf '%s' "$IK_SRC" | sha1sum | cut -c1-8)
     build "ik_llama-$ik_tag-native" "$IK_SRC" native
