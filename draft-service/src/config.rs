@@ -40,6 +40,7 @@ pub struct DraftConfig {
     pub tree: TreeConfig,
     pub lookup: LookupConfig,
     pub pipeline: PipelineConfig,
+    pub fallback: FallbackConfig,
     /// Emit JSON log lines.
     pub log_json: bool,
     /// TLS certificate chain and private key (PEM) for the Generation service; empty = plaintext.
@@ -150,6 +151,35 @@ pub struct PipelineConfig {
     pub max_forwards: usize,
 }
 
+/// The decode fallback (docs/ALGORITHMS.md §5.5): when the plan is no speculation (the auto
+/// planner finds no tree that pays, or fixed mode with `tree.nodes = 1`), the verify node
+/// decodes several tokens on its own per round trip instead of the pair paying one round trip
+/// per token. Exact: it is plain target decoding.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FallbackConfig {
+    /// Use it where the verify node speaks it (protocol version 3); false = root-only trees.
+    pub enabled: bool,
+    /// Most tokens per decode (fixed mode: always this many, bounded by what is left).
+    pub max_tokens: usize,
+    /// Auto mode: the share of a decode's time the round trip may take; K is the smallest
+    /// count that keeps RTT / (K · t(1) + RTT) at or below it.
+    pub rtt_share: f64,
+    /// Tokens per message from the verify node (1 = each token as soon as it is sampled).
+    pub tokens_per_message: u32,
+}
+
+impl Default for FallbackConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_tokens: 32,
+            rtt_share: 0.1,
+            tokens_per_message: 1,
+        }
+    }
+}
+
 impl Default for PipelineConfig {
     fn default() -> Self {
         Self {
@@ -192,6 +222,7 @@ impl Default for DraftConfig {
             tree: TreeConfig::default(),
             lookup: LookupConfig::default(),
             pipeline: PipelineConfig::default(),
+            fallback: FallbackConfig::default(),
             log_json: false,
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),
@@ -264,6 +295,13 @@ mod tests {
             )
             .chain(
                 serde_json::to_value(PipelineConfig::default())
+                    .unwrap()
+                    .as_object()
+                    .unwrap()
+                    .keys(),
+            )
+            .chain(
+                serde_json::to_value(FallbackConfig::default())
                     .unwrap()
                     .as_object()
                     .unwrap()

@@ -5,10 +5,10 @@
 //! a running estimate from verdicts (separately for greedy and sampled generations), and the
 //! plan is recomputed as it and the observed step times move.
 
-use crate::config::TreeConfig;
+use crate::config::{FallbackConfig, TreeConfig};
 use sequoia_core::limits;
 use sequoia_core::planner::cost::{
-    choose_pipelined, CostCurve, NetworkProfile, NodeCosts, Prediction, Profile,
+    choose_with_fallback, decode_tokens, CostCurve, NetworkProfile, NodeCosts, Prediction, Profile,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
 use sequoia_core::stats::RankCounts;
@@ -42,6 +42,9 @@ pub struct ActivePlan {
     /// confidence bound): worth probing now and then to learn more. False once the data rule
     /// it out, e.g. when verification costs grow so fast that no acceptance can pay.
     pub probe: bool,
+    /// No speculation, served by the decode fallback: the verify node decodes up to this many
+    /// tokens per round trip (docs/ALGORITHMS.md §5.5). None: trees (root-only ones included).
+    pub decode_tokens: Option<usize>,
 }
 
 impl ActivePlan {
@@ -63,6 +66,7 @@ impl ActivePlan {
             prediction: None,
             mode: TreeMode::Fixed,
             probe: false,
+            decode_tokens: None,
         })
     }
 
@@ -112,6 +116,8 @@ pub struct Planner {
     greedy: Mutex<RankCounts>,
     sampled: Mutex<RankCounts>,
     drift: Mutex<Drift>,
+    /// The decode fallback's settings; None = off.
+    fallback: Option<FallbackConfig>,
 }
 
 impl Planner {
@@ -143,7 +149,14 @@ impl Planner {
                 verify: 1.0,
                 draft: 1.0,
             }),
+            fallback: None,
         })
+    }
+
+    /// Serve "no speculation" with the decode fallback where the verify node takes it.
+    pub fn with_fallback(mut self, fallback: &FallbackConfig) -> Self {
+        self.fallback = fallback.enabled.then(|| fallback.clone());
+        self
     }
 
     pub fn is_auto(&self) -> bool {
@@ -256,21 +269,31 @@ impl Planner {
     /// tree like this one (docs/ALGORITHMS.md §11): the size that is best for each session under
     /// that assumption is also best for the node's throughput. Trees shrink when the node is
     /// busy and grow back when it is idle.
+    /// `can_decode`: the verify node takes the decode fallback (and it is configured on), so
+    /// "no speculation" costs one round trip per decode rather than one per token.
     pub fn plan(
         &self,
         costs: Option<&NodeCosts>,
         greedy: bool,
         pipeline_hit: Option<f64>,
         load_sessions: f64,
+        can_decode: bool,
     ) -> Result<ActivePlan, String> {
         let p = self
             .counts(greedy)
             .lock()
             .unwrap()
             .estimate(&self.cfg.acceptance, PRIOR_TRIALS);
+        let fallback = self.fallback.as_ref().filter(|_| can_decode);
         let (Some(costs), true) = (costs, self.auto) else {
-            return ActivePlan::fixed(&self.cfg.acceptance, self.cfg.nodes, self.cfg.max_levels)
-                .map_err(|e| e.to_string());
+            let mut plan =
+                ActivePlan::fixed(&self.cfg.acceptance, self.cfg.nodes, self.cfg.max_levels)
+                    .map_err(|e| e.to_string())?;
+            // Fixed mode without speculation: no costs to size decodes from, so the most.
+            if plan.full_size == 1 {
+                plan.decode_tokens = fallback.map(|f| f.max_tokens);
+            }
+            return Ok(plan);
         };
         let draft = self
             .draft_curve
@@ -301,7 +324,8 @@ impl Planner {
         };
         let q = if greedy { 0 } else { self.wire_top_k };
         let (nodes, levels) = (self.cfg.nodes, self.cfg.max_levels);
-        let auto = choose_pipelined(&profile, &p, nodes, levels, q, pipeline_hit)
+        let decode = fallback.map(|f| decode_tokens(&profile, f.max_tokens, f.rtt_share));
+        let auto = choose_with_fallback(&profile, &p, nodes, levels, q, pipeline_hit, decode)
             .map_err(|e| e.to_string())?;
         let best = auto.best;
         let mut plan = ActivePlan::fixed(&p, best.nodes, best.levels).map_err(|e| e.to_string())?;
@@ -311,9 +335,18 @@ impl Planner {
                 PRIOR_TRIALS,
                 PROBE_CONFIDENCE_Z,
             );
-            let hope = choose_pipelined(&profile, &optimistic, nodes, levels, q, pipeline_hit)
-                .map_err(|e| e.to_string())?;
+            let hope = choose_with_fallback(
+                &profile,
+                &optimistic,
+                nodes,
+                levels,
+                q,
+                pipeline_hit,
+                decode,
+            )
+            .map_err(|e| e.to_string())?;
             plan.probe = hope.best.nodes > 1;
+            plan.decode_tokens = decode;
         }
         plan.prediction = Some(best);
         plan.mode = TreeMode::Auto;
@@ -394,7 +427,7 @@ mod tests {
         let (planner, costs) = loaded_planner();
         let nodes = |load: u32| {
             planner
-                .plan(Some(&costs), true, None, load as f64)
+                .plan(Some(&costs), true, None, load as f64, true)
                 .unwrap()
                 .full_size()
         };
@@ -408,6 +441,63 @@ mod tests {
             "a busy node ({busy}) must get smaller trees than an idle one ({idle})"
         );
         assert_eq!(idle_again, idle);
+    }
+
+    #[test]
+    fn no_speculation_is_served_by_decodes_where_the_node_takes_them() {
+        // A draft as slow as the target, 50 ms away: no tree pays.
+        let cfg = TreeConfig {
+            mode: "auto".into(),
+            nodes: 16,
+            ..TreeConfig::default()
+        };
+        let planner = Planner::new(&cfg, 8)
+            .unwrap()
+            .with_fallback(&FallbackConfig::default());
+        *planner.draft_curve.lock().unwrap() =
+            Some(CostCurve::new(vec![1, 16], vec![50.0, 800.0]).unwrap());
+        let costs = NodeCosts {
+            verify: CostCurve::new(vec![1, 16], vec![50.0, 800.0]).unwrap(),
+            network: NetworkProfile {
+                rtt_ms: 50.0,
+                bytes_per_ms: 125_000.0,
+            },
+        };
+        let plan = planner.plan(Some(&costs), true, None, 1.0, true).unwrap();
+        assert_eq!(plan.full_size(), 1);
+        let k = plan
+            .decode_tokens
+            .expect("decodes where the node takes them");
+        assert!((9..=32).contains(&k), "k = {k}");
+        let pred = plan.prediction.as_ref().unwrap();
+        assert!(pred.speedup > 0.85 && pred.speedup < 1.0, "{pred:?}");
+        // An old node: root-only trees, priced at a round trip per token.
+        let old = planner.plan(Some(&costs), true, None, 1.0, false).unwrap();
+        assert_eq!((old.full_size(), old.decode_tokens), (1, None));
+        assert!(old.prediction.as_ref().unwrap().speedup < 0.6);
+        // Fixed mode with one node decodes `max_tokens` at a time; off means never.
+        let fixed = TreeConfig {
+            mode: "fixed".into(),
+            nodes: 1,
+            ..TreeConfig::default()
+        };
+        let on = Planner::new(&fixed, 8)
+            .unwrap()
+            .with_fallback(&FallbackConfig::default());
+        assert_eq!(
+            on.plan(None, true, None, 1.0, true).unwrap().decode_tokens,
+            Some(32)
+        );
+        let off = Planner::new(&fixed, 8)
+            .unwrap()
+            .with_fallback(&FallbackConfig {
+                enabled: false,
+                ..FallbackConfig::default()
+            });
+        assert_eq!(
+            off.plan(None, true, None, 1.0, true).unwrap().decode_tokens,
+            None
+        );
     }
 
     #[test]

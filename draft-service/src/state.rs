@@ -75,7 +75,23 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
     if pl.candidates == 0 || pl.candidates > 16 {
         anyhow::bail!("pipeline.candidates must be 1..=16, got {}", pl.candidates);
     }
-    let planner = Planner::new(&config.tree, config.wire_top_k).map_err(anyhow::Error::msg)?;
+    let fb = &config.fallback;
+    let most = sequoia_core::limits::MAX_DECODE_TOKENS as usize;
+    if fb.max_tokens == 0 || fb.max_tokens > most {
+        anyhow::bail!(
+            "fallback.max_tokens must be 1..={most}, got {}",
+            fb.max_tokens
+        );
+    }
+    if !(fb.rtt_share > 0.0 && fb.rtt_share < 1.0) {
+        anyhow::bail!(
+            "fallback.rtt_share must be between 0 and 1 (e.g. 0.1), got {}",
+            fb.rtt_share
+        );
+    }
+    let planner = Planner::new(&config.tree, config.wire_top_k)
+        .map_err(anyhow::Error::msg)?
+        .with_fallback(fb);
     let opts = LoadOptions {
         threads: (config.threads > 0).then_some(config.threads),
         cuda: config.cuda,

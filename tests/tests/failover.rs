@@ -201,3 +201,46 @@ fn sigterm_drains_a_node_its_sessions_move_and_it_exits() {
         .expect("a new generation after the drain succeeds");
     assert_eq!(again.summary.unwrap().verify_node, urls[1]);
 }
+
+/// A node killed while it decodes for the fallback (the plan is no speculation): the decode
+/// resumes on another node from the committed tokens, and the output is still the target's.
+#[test]
+fn a_decode_moves_to_another_node_when_its_node_dies() {
+    let pair = TinyPair::new();
+    let mut nodes: Vec<VerifyProcess> = (0..2)
+        .map(|_| VerifyProcess::start(VERIFY_EXE, &pair.target, &[]))
+        .collect();
+    let urls: Vec<String> = nodes.iter().map(VerifyProcess::url).collect();
+    let mut cfg = draft_config(&pair.draft, &urls, 1, 1);
+    cfg.fallback.max_tokens = 64;
+    let draft = start_draft(cfg);
+    let prompts = &PROMPTS[..2];
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| plain_greedy(&pair.target, p, TOKENS as usize))
+        .collect();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let draft_url = draft.url();
+    let got = rt.block_on(within(300, async {
+        let started = join_all(prompts.iter().map(|p| start(&draft_url, p))).await;
+        let load = join_all(urls.iter().map(|u| active_sessions(u))).await;
+        let victim = (0..2).max_by_key(|&i| load[i]).unwrap();
+        assert!(load[victim] > 0, "sessions are open: {load:?}");
+        nodes[victim].kill();
+        join_all(started.into_iter().map(finish)).await
+    }));
+    let mut failovers = 0;
+    for ((got, want), prompt) in got.into_iter().zip(&want).zip(prompts) {
+        assert_eq!(
+            &got.tokens, want,
+            "prompt {prompt:?} after a node was killed"
+        );
+        let s = got.summary.expect("a summary");
+        assert!(
+            s.fallback_tokens as usize >= want.len(),
+            "every token was decoded: {s:?}"
+        );
+        failovers += s.failovers;
+    }
+    assert!(failovers >= 1, "the killed node's session moved");
+}

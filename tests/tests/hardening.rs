@@ -48,6 +48,8 @@ struct Fake {
     /// (min, max) protocol versions reported in Info; (0, 0) = a node from before versioning.
     versions: (u32, u32),
     next_token: u32,
+    /// `decode` requests received (an old-protocol node must never get one).
+    decodes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[tonic::async_trait]
@@ -65,9 +67,10 @@ impl Verifier for Fake {
             let reply = |m| Ok(pb::SessionResponse { msg: Some(m) });
             while let Ok(Some(msg)) = inbound.message().await {
                 match msg.msg {
-                    Some(pb::session_request::Msg::Open(_)) => {
+                    Some(pb::session_request::Msg::Open(o)) => {
                         let opened = pb::SessionOpened {
                             context_limit: 1024,
+                            protocol_version: o.protocol_version.min(fake.versions.1),
                             ..Default::default()
                         };
                         let _ = tx
@@ -100,6 +103,29 @@ impl Verifier for Fake {
                             }
                         }
                         let _ = tx.send(reply(pb::session_response::Msg::Verdict(v))).await;
+                    }
+                    Some(pb::session_request::Msg::Decode(d)) => {
+                        fake.decodes
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        // A node from before the decode fallback has no such message: it
+                        // refuses the stream (as an old prost decoder would see no `msg`).
+                        if fake.versions.1 < limits::DECODE_PROTOCOL_VERSION {
+                            let _ = tx
+                                .send(Err(Status::invalid_argument("unknown message")))
+                                .await;
+                            return;
+                        }
+                        let n = d.max_tokens.min(limits::MAX_DECODE_TOKENS) as usize;
+                        let out = pb::Decoded {
+                            step: d.step,
+                            tokens: vec![fake.next_token; n],
+                            done: true,
+                            verify_ms: 1.0,
+                            ..Default::default()
+                        };
+                        let _ = tx
+                            .send(reply(pb::session_response::Msg::Decoded(out)))
+                            .await;
                     }
                     None => return,
                 }
@@ -162,6 +188,7 @@ fn good_fake(pair: &TinyPair, mode: Mode) -> Fake {
         fingerprint: tok.fingerprint().to_string(),
         versions: (limits::MIN_PROTOCOL_VERSION, limits::PROTOCOL_VERSION),
         next_token,
+        decodes: Default::default(),
     }
 }
 
@@ -286,6 +313,51 @@ fn old_protocol_verify_node_works_and_a_too_new_one_is_refused() {
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(err.message().contains("protocol"), "{err:?}");
+}
+
+/// The decode fallback needs protocol version 3: a draft whose plan is no speculation sends a
+/// node that speaks only version 2 root-only trees, never a `decode`; a current node gets
+/// decodes (so the first half could fail).
+#[test]
+fn old_protocol_verify_node_never_gets_a_decode() {
+    let pair = TinyPair::new();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let no_speculation = |url: String| {
+        let mut c = fast_draft(&pair, &[url]);
+        c.tree.nodes = 1;
+        c.tree.max_levels = 1;
+        start_draft(c)
+    };
+    let old = Fake {
+        versions: (1, limits::DECODE_PROTOCOL_VERSION - 1),
+        ..good_fake(&pair, Mode::Good)
+    };
+    let old_decodes = old.decodes.clone();
+    let draft = no_speculation(start_fake(&rt, old));
+    let g = rt
+        .block_on(within(
+            60,
+            generate(&draft.url(), request("hello", 6, 0.0, 1)),
+        ))
+        .expect("an old node serves root-only trees");
+    let s = g.summary.unwrap();
+    assert_eq!(s.generated_tokens, 6);
+    assert_eq!(s.steps, 6, "one root-only tree per token");
+    assert_eq!(s.fallback_tokens, 0);
+    assert_eq!(old_decodes.load(std::sync::atomic::Ordering::Relaxed), 0);
+
+    let new = good_fake(&pair, Mode::Good);
+    let new_decodes = new.decodes.clone();
+    let draft = no_speculation(start_fake(&rt, new));
+    let g = rt
+        .block_on(within(
+            60,
+            generate(&draft.url(), request("hello", 6, 0.0, 1)),
+        ))
+        .expect("a current node decodes");
+    let s = g.summary.unwrap();
+    assert_eq!(s.fallback_tokens, 6);
+    assert!(new_decodes.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }
 
 fn open_msg(version: u32) -> pb::SessionRequest {
@@ -609,6 +681,45 @@ proptest! {
     }
 }
 
+fn arb_decoded() -> impl Strategy<Value = pb::Decoded> {
+    (
+        prop_oneof![0u64..4, any::<u64>()],
+        prop::collection::vec(prop_oneof![0u32..600, any::<u32>()], 0..12),
+        any::<bool>(),
+        prop_oneof![
+            0.0f64..100.0,
+            Just(f64::NAN),
+            Just(f64::INFINITY),
+            Just(-1.0),
+            any::<f64>()
+        ],
+        any::<u32>(),
+    )
+        .prop_map(|(step, tokens, done, verify_ms, rows)| pb::Decoded {
+            step,
+            tokens,
+            done,
+            verify_ms,
+            batch_rows: rows,
+            batch_sessions: rows.rotate_left(7),
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(4000))]
+
+    /// `decoded` messages from a verify node: never a panic; one that passes is safe to commit.
+    #[test]
+    fn decoded_messages_never_panic(d in arb_decoded(), step in 0u64..4, left in 0usize..10) {
+        if sequoia_server::wire::check_decoded(&d, step, left, 512).is_ok() {
+            prop_assert_eq!(d.step, step);
+            prop_assert!(!d.tokens.is_empty() && d.tokens.len() <= left);
+            prop_assert!(d.tokens.iter().all(|&t| t < 512));
+            prop_assert!(d.verify_ms.is_finite() && d.verify_ms >= 0.0);
+        }
+    }
+}
+
 fn tiny_target() -> &'static (TinyPair, Model) {
     static T: std::sync::OnceLock<(TinyPair, Model)> = std::sync::OnceLock::new();
     T.get_or_init(|| {
@@ -664,6 +775,44 @@ proptest! {
             }
         }
         let _ = SamplingParams::default();
+    }
+
+    /// `decode` requests on a real (tiny) target: never a panic; a refusal is
+    /// INVALID_ARGUMENT, FAILED_PRECONDITION (old version) or RESOURCE_EXHAUSTED with a message;
+    /// one that passes decodes its first token.
+    #[test]
+    fn decode_requests_never_panic(
+        prefix in prop::collection::vec(0u32..200, 0..8),
+        max_new in prop_oneof![0usize..8, Just(usize::MAX / 4)],
+        step in prop_oneof![Just(0u64), 0u64..3, any::<u64>()],
+        root in prop_oneof![0u32..600, any::<u32>()],
+        max_tokens in prop_oneof![0u32..8, any::<u32>()],
+        per_message in any::<u32>(),
+        version in prop_oneof![0u32..5, any::<u32>()],
+    ) {
+        let (_, model) = tiny_target();
+        let limits = SessionLimits {
+            max_context: 256,
+            max_tree_nodes: limits::MAX_TREE_NODES,
+            max_tree_levels: limits::MAX_TREE_LEVELS,
+            max_dist_entries: limits::MAX_DIST_ENTRIES,
+        };
+        let Ok((mut s, _)) = VerifySession::open(model, &prefix, SamplingParams::default(), 1, max_new, limits) else {
+            return Ok(());
+        };
+        let req = pb::DecodeTokens { step, root, max_tokens, tokens_per_message: per_message };
+        match verify_service::decode::check_decode(&req, &s, model.info().vocab_size, version) {
+            Err(st) => {
+                prop_assert!(
+                    matches!(st.code(), Code::InvalidArgument | Code::FailedPrecondition | Code::ResourceExhausted),
+                    "{st:?}"
+                );
+                prop_assert!(!st.message().is_empty());
+            }
+            Ok(()) => {
+                prop_assert!(s.verify(model, step, &[-1], &[root], &[]).is_ok());
+            }
+        }
     }
 
     /// Generate requests: never a panic, and every refusal has a code that means what it says.

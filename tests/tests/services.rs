@@ -31,8 +31,11 @@ fn greedy_output_equals_target_only_decoding() {
     let mut total_tokens = 0;
     for (nodes, levels) in [(1, 1), (4, 4), (8, 4), (16, 6)] {
         let mut config = draft_config(&pair.draft, &[verify.url()], nodes, levels);
-        // One node means no speculation at all here: no lookup branches either.
+        // One node means no speculation at all here: no lookup branches either, and root-only
+        // trees rather than the decode fallback (tests/tests/fallback.rs covers that), so each
+        // token is one verified step.
         config.lookup.max_tokens = 0;
+        config.fallback.enabled = false;
         let draft = start_draft(config);
         for (prompt, want) in PROMPTS.iter().zip(&want) {
             let got = rt

@@ -13,6 +13,7 @@
 pub mod batch;
 pub mod cli;
 pub mod config;
+pub mod decode;
 pub mod kv_pool;
 pub mod service;
 pub mod session;

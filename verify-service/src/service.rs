@@ -126,7 +126,7 @@ impl VerifierService {
     }
 }
 
-fn to_status(e: SessionError) -> Status {
+pub(crate) fn to_status(e: SessionError) -> Status {
     match e {
         SessionError::Invalid(m) => Status::invalid_argument(m),
         SessionError::Exhausted(m) => Status::resource_exhausted(m),
@@ -136,7 +136,9 @@ fn to_status(e: SessionError) -> Status {
 }
 
 /// Run blocking model work off the async threads.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, Status> {
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, Status> {
     tokio::task::spawn_blocking(f)
         .await
         .map_err(|e| Status::internal(format!("verification task failed: {e}")))
@@ -229,10 +231,26 @@ async fn run_session(
             }
         };
         let Some(msg) = msg else { break };
-        let Some(session_request::Msg::Tree(tree)) = msg.msg else {
-            return Err(Status::invalid_argument(
-                "after `open`, every message must be a `tree`",
-            ));
+        let tree = match msg.msg {
+            Some(session_request::Msg::Tree(tree)) => tree,
+            Some(session_request::Msg::Decode(req)) => {
+                crate::decode::check_decode(
+                    &req,
+                    &session,
+                    state.model.info().vocab_size,
+                    version,
+                )?;
+                match crate::decode::decode(&state, session, req, tx, &moving).await? {
+                    crate::decode::Outcome::Done(back) => session = back,
+                    crate::decode::Outcome::ClientGone => return Ok(()),
+                }
+                continue;
+            }
+            _ => {
+                return Err(Status::invalid_argument(
+                    "after `open`, every message must be a `tree` or a `decode`",
+                ))
+            }
         };
         let dists = wire::dists_from_wire(tree.draft_dists);
         let model = state.model.clone();

@@ -52,6 +52,9 @@ pub struct VerifySession {
     rng: SessionRng,
     next_step: u64,
     limits: SessionLimits,
+    /// Cache length at which the `open`'s max_new_tokens are all committed (each committed
+    /// token but the newest is in the cache): where a `decode` stops.
+    token_limit: usize,
 }
 
 /// A tree that passed every check of [`VerifySession::prepare`]: ready to be forwarded (alone
@@ -135,6 +138,7 @@ impl VerifySession {
             rng: SessionRng::new(seed, VERIFY_STREAM),
             next_step: 0,
             limits,
+            token_limit: prefix.len() + max_new_tokens,
         })
     }
 
@@ -144,6 +148,16 @@ impl VerifySession {
 
     pub fn context_limit(&self) -> usize {
         self.limits.max_context
+    }
+
+    /// Step number the next tree (or decoded token) must carry.
+    pub fn next_step(&self) -> u64 {
+        self.next_step
+    }
+
+    /// New tokens this session may still commit under its `open`'s max_new_tokens.
+    pub fn tokens_left(&self) -> usize {
+        self.token_limit.saturating_sub(self.cache.len())
     }
 
     /// Most entries this session's cache may hold (what its KV reservation covers).

@@ -6,10 +6,12 @@
 
 use crate::nodes::{unavailable, Reservation, VerifyNode};
 use crate::state::DraftState;
-use sequoia_core::limits::{negotiate_protocol, MAX_FAILOVERS, PROTOCOL_VERSION};
+use sequoia_core::limits::{
+    negotiate_protocol, DECODE_PROTOCOL_VERSION, MAX_FAILOVERS, PROTOCOL_VERSION,
+};
 use sequoia_proto::v1::{
-    session_request, session_response, OpenSession, SamplingConfig, SessionOpened, SessionRequest,
-    SessionResponse, Verdict, VerifyTree,
+    session_request, session_response, DecodeTokens, Decoded, OpenSession, SamplingConfig,
+    SessionOpened, SessionRequest, SessionResponse, Verdict, VerifyTree,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,6 +26,19 @@ pub(super) struct VerifyLink {
     failovers: u32,
     /// The smallest context limit of the nodes this generation has used.
     context_limit: usize,
+    /// The decode in progress (the verify node decodes on its own), if any.
+    decoding: Option<Decoding>,
+}
+
+/// A decode in progress: what is left of it, so that a lost node's decode can be resumed on
+/// another node from the tokens already received.
+#[derive(Debug, Clone, Copy)]
+struct Decoding {
+    /// The newest committed token (the root of the next decoded token).
+    root: u32,
+    /// Tokens this decode may still send.
+    left: usize,
+    tokens_per_message: u32,
 }
 
 impl VerifyLink {
@@ -51,7 +66,77 @@ impl VerifyLink {
             seed,
             failovers: 0,
             context_limit,
+            decoding: None,
         })
+    }
+
+    /// Whether the current node takes `decode` (its session speaks protocol version 3 or
+    /// later). Older nodes only ever see trees.
+    pub(super) fn can_decode(&self) -> bool {
+        self.link.version >= DECODE_PROTOCOL_VERSION
+    }
+
+    /// Ask the verify node to decode up to `max_tokens` tokens after `root` on its own; read
+    /// them with [`decoded`](Self::decoded) until it reports the decode done. Only on nodes
+    /// that [`can_decode`](Self::can_decode).
+    pub(super) async fn start_decode(
+        &mut self,
+        root: u32,
+        max_tokens: usize,
+        tokens_per_message: u32,
+    ) {
+        let d = Decoding {
+            root,
+            left: max_tokens,
+            tokens_per_message,
+        };
+        self.decoding = Some(d);
+        // A failed send shows up as a lost node when the answer is read, which moves the
+        // session like any other loss.
+        let _ = self.link.send_decode(d).await;
+    }
+
+    /// The next tokens of the decode in progress (`done` set on the last). If the node
+    /// is lost, the session moves to another node (`committed`: all committed tokens, the
+    /// newest being the root; `remaining`: tokens the generation may still commit) and the rest
+    /// of the decode continues there.
+    pub(super) async fn decoded(
+        &mut self,
+        state: &DraftState,
+        committed: impl Fn() -> Vec<u32>,
+        remaining: usize,
+    ) -> Result<Decoded, Status> {
+        let Some(mut d) = self.decoding else {
+            return Err(Status::internal("no decode in progress"));
+        };
+        let timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
+        let vocab = state.model.info().vocab_size;
+        loop {
+            match self.link.next_decoded(timeout, vocab, d.left).await {
+                Ok(mut m) => {
+                    d.left -= m.tokens.len();
+                    d.root = *m.tokens.last().expect("checked: at least one token");
+                    m.done |= d.left == 0;
+                    self.decoding = (!m.done).then_some(d);
+                    return Ok(m);
+                }
+                Err(e) if e.code() == Code::Unavailable && self.failovers < MAX_FAILOVERS => {
+                    self.move_session(state, &e, &committed(), remaining)
+                        .await?;
+                    if !self.can_decode() {
+                        // The new node is older: end this decode here; the generation goes on
+                        // with trees there.
+                        self.decoding = None;
+                        return Ok(Decoded {
+                            done: true,
+                            ..Decoded::default()
+                        });
+                    }
+                    let _ = self.link.send_decode(d).await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     pub(super) fn node(&self) -> &Arc<VerifyNode> {
@@ -147,6 +232,8 @@ struct Link {
     /// Step number of the next tree on this session (each session counts from 0).
     next_step: u64,
     opened: SessionOpened,
+    /// The protocol version this session runs.
+    version: u32,
 }
 
 impl Link {
@@ -164,6 +251,7 @@ impl Link {
         open: OpenSession,
         timeout: Duration,
     ) -> Result<Link, Status> {
+        let asked = open.protocol_version;
         let node = reservation.node().clone();
         let addr = node.addr.clone();
         let (req_tx, req_rx) = mpsc::channel::<SessionRequest>(2);
@@ -192,13 +280,52 @@ impl Link {
             return Err(bad_node(&addr, "answered `open` with something else"));
         };
         node.set_reported(opened.active_sessions as usize);
+        // Nodes from before versioning report 0 (= 1); never trust more than was asked for.
+        let version = opened.protocol_version.max(1).min(asked);
         Ok(Link {
             reservation,
             req_tx,
             inbound,
             next_step: 0,
             opened,
+            version,
         })
+    }
+
+    /// Send a `decode` for what is left of `d`, numbered from this session's next step.
+    async fn send_decode(&mut self, d: Decoding) -> Result<(), Status> {
+        let addr = self.addr().to_string();
+        let req = DecodeTokens {
+            step: self.next_step,
+            root: d.root,
+            max_tokens: u32::try_from(d.left).unwrap_or(u32::MAX),
+            tokens_per_message: d.tokens_per_message,
+        };
+        self.req_tx
+            .send(SessionRequest {
+                msg: Some(session_request::Msg::Decode(req)),
+            })
+            .await
+            .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))
+    }
+
+    /// Read the next `decoded` message of a decode that may still send `left` tokens.
+    async fn next_decoded(
+        &mut self,
+        timeout: Duration,
+        vocab: usize,
+        left: usize,
+    ) -> Result<Decoded, Status> {
+        let addr = self.addr().to_string();
+        let Some(session_response::Msg::Decoded(d)) =
+            next_response(&mut self.inbound, &addr, timeout).await?
+        else {
+            return Err(bad_node(&addr, "answered a decode with something else"));
+        };
+        sequoia_server::wire::check_decoded(&d, self.next_step, left, vocab)
+            .map_err(|e| bad_node(&addr, &e))?;
+        self.next_step += d.tokens.len() as u64;
+        Ok(d)
     }
 
     /// Send one tree (numbered here, per session) and wait for its verdict.
@@ -266,7 +393,8 @@ async fn open_anywhere(
                 short(state.tokenizer.fingerprint())
             )));
         }
-        if negotiate_protocol(info.min_protocol_version, info.protocol_version).is_none() {
+        let Some(version) = negotiate_protocol(info.min_protocol_version, info.protocol_version)
+        else {
             // During a rolling upgrade other nodes may still speak our version: try them.
             let e = Status::failed_precondition(format!(
                 "verify node {} speaks protocol versions {}..={}, this draft node {}..={}; upgrade the older side",
@@ -279,8 +407,12 @@ async fn open_anywhere(
             tracing::warn!(node = %node.addr, error = ?e.message(), "verify node speaks no common protocol version; trying another");
             last_err = Some(e);
             continue;
-        }
-        match Link::open(reservation, open.clone(), timeout).await {
+        };
+        // Open with the highest version both sides speak, so an older node is never asked for
+        // more than it knows.
+        let mut open = open.clone();
+        open.protocol_version = version;
+        match Link::open(reservation, open, timeout).await {
             Ok(link) => return Ok(link),
             Err(e) if try_elsewhere(&e) => {
                 if e.code() == Code::Unavailable {

@@ -120,6 +120,14 @@ async fn generate(
             break FinishReason::Context;
         }
         g.maybe_replan()?;
+        if let Some(k) = g.decode_size(room) {
+            // No tree pays: the verify node decodes on its own (the decode fallback).
+            match g.decode(&mut draft, k, &mut out, tx).await? {
+                Delivered::More => continue,
+                Delivered::Finished(f) => break f,
+                Delivered::ClientGone => return Ok(()),
+            }
+        }
         let shape = g.next_shape(room);
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
@@ -188,6 +196,10 @@ struct Generation<'a> {
     /// tree like ours), so trees shrink when the node is busy.
     load_sessions: f64,
     ahead_time: Option<Duration>,
+    /// Tokens the verify node decoded on its own (the decode fallback), and whether a decode
+    /// ended since the last re-plan (each one is followed by a re-plan).
+    fallback_tokens: u32,
+    replan_due: bool,
     /// When the generation started, and when text last went to the client (for the
     /// time-to-first-token and inter-token-latency metrics).
     t_start: Instant,
@@ -237,7 +249,14 @@ impl<'a> Generation<'a> {
         };
         let costs = node_costs(state, link.node()).await?;
         let hit = prep.pipeline.then(|| pipeline_hit_rate(0, 0));
-        let plan = plan(state, costs.as_ref(), prep.params.is_greedy(), hit, 1.0)?;
+        let plan = plan(
+            state,
+            costs.as_ref(),
+            prep.params.is_greedy(),
+            hit,
+            1.0,
+            link.can_decode(),
+        )?;
         let g = Generation {
             state,
             prep,
@@ -258,6 +277,8 @@ impl<'a> Generation<'a> {
             pipeline_wasted: Duration::ZERO,
             load_sessions: 1.0,
             ahead_time: None,
+            fallback_tokens: 0,
+            replan_due: false,
             t_start,
             last_delivery: None,
         };
@@ -272,10 +293,12 @@ impl<'a> Generation<'a> {
         self.counts.steps as u32
     }
 
-    /// Every `replan_every` steps: fold the new verdicts into the estimate and plan again.
+    /// Every `replan_every` steps, and after every decode: fold the new verdicts into the
+    /// estimate and plan again.
     fn maybe_replan(&mut self) -> Result<(), Status> {
         let steps = self.steps();
-        if steps > 0 && steps % self.state.planner.replan_every() == 0 {
+        if self.replan_due || (steps > 0 && steps % self.state.planner.replan_every() == 0) {
+            self.replan_due = false;
             self.fold_acceptance();
             self.plan = plan(
                 self.state,
@@ -283,10 +306,77 @@ impl<'a> Generation<'a> {
                 self.prep.params.is_greedy(),
                 self.pipeline_hit(),
                 self.load_sessions,
+                self.link.can_decode(),
             )?;
             self.replans += 1;
         }
         Ok(())
+    }
+
+    /// Tokens to ask the verify node to decode on its own now, with `room` tokens of context
+    /// left: Some when the plan is no speculation served by the decode fallback, the node takes
+    /// it, the request forces no tree, and this step is not a probe.
+    fn decode_size(&self, room: usize) -> Option<usize> {
+        let k = self.plan.decode_tokens?;
+        if self.prep.forced_tree.is_some() || !self.link.can_decode() {
+            return None;
+        }
+        if self.next_shape(room).len() != 1 {
+            return None;
+        }
+        let left = self.prep.max_tokens - self.generated.len();
+        Some(k.min(left).min(room)).filter(|&k| k > 0)
+    }
+
+    /// One decode of up to `k` tokens by the verify node alone: the tokens are committed and
+    /// streamed as they arrive (EOS, stop strings and `max_tokens` exactly as for verified
+    /// tokens), and the draft only queues them for its next tree (it runs no model now). A
+    /// lost node's decode continues on another node from the committed tokens.
+    async fn decode(
+        &mut self,
+        draft: &mut DraftSession,
+        k: usize,
+        out: &mut TextOut<'_>,
+        tx: &ChunkTx,
+    ) -> Result<Delivered, Status> {
+        let t0 = Instant::now();
+        let per_message = self.state.config.fallback.tokens_per_message;
+        self.link.start_decode(self.root, k, per_message).await;
+        // One round trip: counted as one step (with no drafted tokens), like a root-only tree.
+        self.counts
+            .record_step(&Tree::chain(1), &[], std::iter::empty(), 0);
+        self.replan_due = true;
+        let mut result = Delivered::More;
+        loop {
+            let remaining = self.prep.max_tokens - self.generated.len();
+            let (prompt, generated) = (&self.prep.prompt_tokens, &self.generated);
+            let committed = || {
+                let mut c = prompt.clone();
+                c.extend_from_slice(generated);
+                c
+            };
+            let m = self.link.decoded(self.state, committed, remaining).await?;
+            self.times.verify_ms += m.verify_ms;
+            let sessions = m.batch_sessions.clamp(1, MAX_LOAD_SESSIONS) as f64;
+            self.load_sessions = 0.5 * self.load_sessions + 0.5 * sessions;
+            if let Some(&newest) = m.tokens.last() {
+                // The draft follows: the old root and every decoded token but the newest (the
+                // next root) become its pending context.
+                let mut follow = Vec::with_capacity(m.tokens.len());
+                follow.push(self.root);
+                follow.extend_from_slice(&m.tokens[..m.tokens.len() - 1]);
+                draft.commit_decoded(&follow);
+                self.root = newest;
+                self.fallback_tokens += m.tokens.len() as u32;
+                self.counts.tokens += m.tokens.len() as u64;
+                result = self.deliver(&m.tokens, out, tx).await?;
+            }
+            if m.done || !matches!(result, Delivered::More) {
+                break;
+            }
+        }
+        self.times.roundtrip += t0.elapsed();
+        Ok(result)
     }
 
     /// Pipelined requests: the estimated chance that a verdict is one the draft grew the next
@@ -565,10 +655,11 @@ fn plan(
     greedy: bool,
     pipeline_hit: Option<f64>,
     load_sessions: f64,
+    can_decode: bool,
 ) -> Result<ActivePlan, Status> {
     state
         .planner
-        .plan(costs, greedy, pipeline_hit, load_sessions)
+        .plan(costs, greedy, pipeline_hit, load_sessions, can_decode)
         .map_err(|e| Status::internal(format!("tree planner: {e}")))
 }
 

@@ -20,6 +20,7 @@ pub fn record_summary(metrics: &Metrics, s: &GenerateSummary) {
         &s.trials_by_rank,
         Duration::from_secs_f64(round_trip_ms.max(0.0) / 1e3),
     );
+    metrics.fallback_tokens(s.fallback_tokens as u64);
 }
 
 /// Where one generation's time went.
@@ -81,6 +82,7 @@ impl Generation<'_> {
             pipeline_hits: self.pipeline_hits,
             pipeline_misses: self.pipeline_misses,
             pipeline_wasted_ms: self.pipeline_wasted.as_secs_f64() * 1e3,
+            fallback_tokens: self.fallback_tokens,
         }
     }
 

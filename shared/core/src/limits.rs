@@ -46,8 +46,15 @@ pub const MAX_CHAT_MESSAGES: usize = 4096;
 /// Version 1 is the protocol before versioning (peers that send no version field, i.e. 0, are
 /// treated as 1). Bump `PROTOCOL_VERSION` on any change to the Session messages' meaning; raise
 /// `MIN_PROTOCOL_VERSION` only when the old meaning is no longer understood.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
+
+/// First protocol version whose sessions take `decode` (the verify-side decode fallback); a
+/// draft sends it only on sessions that negotiated this version or later.
+pub const DECODE_PROTOCOL_VERSION: u32 = 3;
+
+/// Most tokens one `decode` message may ask for.
+pub const MAX_DECODE_TOKENS: u32 = 1024;
 
 /// The protocol version a peer reported (0 = a peer from before versioning = 1).
 pub fn peer_protocol(reported: u32) -> u32 {

@@ -147,3 +147,52 @@ fn pipelined_misses_continue_exactly() {
         assert_eq!(outcome, SpeculationOutcome::Miss);
     }
 }
+
+/// The decode fallback: tokens committed without a tree (`commit_decoded`, the old root and the
+/// decoded tokens but the newest) leave the drafter exactly where a drafter that prefilled the
+/// same committed tokens is: the next tree is identical (tokens and q), also when a tree grown
+/// ahead was waiting and had to be dropped.
+#[test]
+fn decoded_tokens_leave_the_drafter_where_a_prefill_would() {
+    let model = model();
+    let vocab = model.info().vocab_size;
+    let shape = Tree::spine(3, 4);
+    for t in [0.0, 0.7] {
+        for ahead in [false, true] {
+            let prefix = tokens(20, 3, vocab);
+            let root = tokens(1, 4, vocab)[0];
+            let mut d = DraftSession::new(&model, &prefix, params(t), 99, 64).unwrap();
+            let a = d.grow(&model, root, &shape).unwrap();
+            // A verdict (with a tree grown ahead for it: a hit, so one is waiting), then the
+            // verify node decodes three tokens.
+            let (accepted, next) = if ahead {
+                let ends = a.likeliest_ends(&[0.6, 0.2, 0.1], 2);
+                let stop = AtomicBool::new(false);
+                let spec = d.speculate(&model, &a, &shape, &ends, 100, &stop).unwrap();
+                let (end, next) = guessed(&spec.candidates(), 0);
+                let accepted = path_to(&a.tree, end);
+                let outcome = d.commit_speculated(&a, &accepted, next, spec).unwrap();
+                assert_eq!(outcome, SpeculationOutcome::Hit);
+                (accepted, next)
+            } else {
+                let accepted = vec![a.tree.children(0)[0] as usize];
+                d.commit(&a, &accepted).unwrap();
+                (accepted, tokens(1, 6, vocab)[0])
+            };
+            let mut committed = prefix.clone();
+            committed.push(root);
+            committed.extend(accepted.iter().map(|&v| a.tokens[v]));
+            let decoded = tokens(3, 7, vocab);
+            let mut follow = vec![next];
+            follow.extend_from_slice(&decoded[..2]);
+            d.commit_decoded(&follow);
+            committed.extend_from_slice(&follow);
+            assert_eq!(d.context_len(), committed.len());
+            let mut fresh = DraftSession::new(&model, &committed, params(t), 99, 64).unwrap();
+            let want = fresh.grow(&model, decoded[2], &shape).unwrap();
+            let got = d.grow(&model, decoded[2], &shape).unwrap();
+            same_tree(&got, &want, &format!("T {t}, ahead {ahead}"));
+            assert!(!got.was_drafted_ahead());
+        }
+    }
+}

@@ -20,6 +20,7 @@
 //! | [`ACTIVE_SESSIONS`] | gauge | open sessions (verify) / running generations (draft); the HPA metric |
 //! | [`QUEUE_DEPTH`] | gauge | requests waiting for a slot (0: the services refuse instead of queueing) |
 //! | [`FAILOVERS`] | counter | draft: sessions moved to another verify node |
+//! | [`FALLBACK_TOKENS`] | counter | draft: tokens the verify node decoded on its own (the decode fallback, when no tree pays) |
 //! | [`SPEC_DRAFTS`] | counter | draft: steps that verified at least one drafted token (vLLM's `spec_decode_num_drafts`) |
 //! | [`SPEC_DRAFT_TOKENS`] | counter | draft: drafted tokens sent for verification (tree nodes minus roots) |
 //! | [`SPEC_ACCEPTED_TOKENS`] | counter | draft: drafted tokens the target accepted |
@@ -59,6 +60,7 @@ pub const VERIFY_LATENCY: &str = "sequoia_verify_latency_seconds";
 pub const ACTIVE_SESSIONS: &str = "sequoia_active_sessions";
 pub const QUEUE_DEPTH: &str = "sequoia_queue_depth";
 pub const FAILOVERS: &str = "sequoia_failovers_total";
+pub const FALLBACK_TOKENS: &str = "sequoia_fallback_tokens_total";
 pub const SPEC_DRAFTS: &str = "sequoia_spec_decode_num_drafts_total";
 pub const SPEC_DRAFT_TOKENS: &str = "sequoia_spec_decode_num_draft_tokens_total";
 pub const SPEC_ACCEPTED_TOKENS: &str = "sequoia_spec_decode_num_accepted_tokens_total";
@@ -77,7 +79,7 @@ pub const BUSY_RATIO: &str = "sequoia_verify_busy_ratio";
 
 /// Every series registered from the start (all but [`HTTP_REQUESTS`], whose labels are only
 /// known once requests arrive), for tests and docs.
-pub const ALL: [&str; 24] = [
+pub const ALL: [&str; 25] = [
     REQUESTS,
     GENERATED_TOKENS,
     STEPS,
@@ -88,6 +90,7 @@ pub const ALL: [&str; 24] = [
     ACTIVE_SESSIONS,
     QUEUE_DEPTH,
     FAILOVERS,
+    FALLBACK_TOKENS,
     SPEC_DRAFTS,
     SPEC_DRAFT_TOKENS,
     SPEC_ACCEPTED_TOKENS,
@@ -136,6 +139,7 @@ struct Inner {
     active: Gauge,
     queue: Gauge,
     failovers: Counter,
+    fallback_tokens: Counter,
     accepted: Vec<Counter>,
     trials: Vec<Counter>,
     drafts: Counter,
@@ -217,6 +221,7 @@ impl Metrics {
             active: recorder.register_gauge(&key(ACTIVE_SESSIONS), &METADATA),
             queue: recorder.register_gauge(&key(QUEUE_DEPTH), &METADATA),
             failovers: recorder.register_counter(&key(FAILOVERS), &METADATA),
+            fallback_tokens: recorder.register_counter(&key(FALLBACK_TOKENS), &METADATA),
             accepted: labelled(ACCEPTED_BY_RANK, "rank"),
             trials: labelled(TRIALS_BY_RANK, "rank"),
             drafts: recorder.register_counter(&key(SPEC_DRAFTS), &METADATA),
@@ -301,6 +306,13 @@ impl Metrics {
     pub fn failover(&self) {
         if let Some(i) = &self.0 {
             i.failovers.increment(1);
+        }
+    }
+
+    /// A generation's tokens that the verify node decoded on its own (the decode fallback).
+    pub fn fallback_tokens(&self, n: u64) {
+        if let Some(i) = &self.0 {
+            i.fallback_tokens.increment(n);
         }
     }
 

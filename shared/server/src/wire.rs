@@ -160,3 +160,27 @@ mod tests {
         );
     }
 }
+
+/// Check one `decoded` message of a decode before anything reads it: it continues at `step`,
+/// carries 1 ..= `left` tokens (what the decode may still send), all in the vocabulary, and a
+/// time that is a finite number of milliseconds ≥ 0.
+pub fn check_decoded(d: &pb::Decoded, step: u64, left: usize, vocab: usize) -> Result<(), String> {
+    if d.step != step {
+        return Err(format!("decoded step {} where {step} was next", d.step));
+    }
+    if d.tokens.is_empty() || d.tokens.len() > left {
+        return Err(format!(
+            "decoded {} tokens where 1..={left} could come",
+            d.tokens.len()
+        ));
+    }
+    if let Some(t) = d.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(format!(
+            "decoded token {t} is outside the vocabulary (size {vocab})"
+        ));
+    }
+    if !d.verify_ms.is_finite() || d.verify_ms < 0.0 {
+        return Err(format!("verify_ms = {} is not a time", d.verify_ms));
+    }
+    Ok(())
+}

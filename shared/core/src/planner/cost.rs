@@ -317,6 +317,87 @@ pub fn choose_pipelined(
     })
 }
 
+/// The decode fallback (docs/ALGORITHMS.md §5.5): when no tree pays, the verify node decodes
+/// K tokens on its own per round trip. Tokens per decode that keep the round trip's share of
+/// a decode's time at or below `rtt_share`: the smallest K with
+/// `rtt / (K · t_v(1) + rtt) ≤ rtt_share`, `rtt` being everything a message costs besides the
+/// target (network, bytes, overhead), bounded by 1..=`max_tokens`.
+pub fn decode_tokens(profile: &Profile, max_tokens: usize, rtt_share: f64) -> usize {
+    let max_tokens = max_tokens.max(1);
+    let t1 = profile.verify.at(1);
+    let rtt = decode_message_ms(profile);
+    if !(rtt_share > 0.0 && rtt_share < 1.0) || !(t1 > 0.0) {
+        return max_tokens;
+    }
+    let k = (rtt * (1.0 - rtt_share) / (rtt_share * t1)).ceil();
+    if k.is_finite() && k >= 1.0 {
+        (k as usize).min(max_tokens)
+    } else {
+        1
+    }
+}
+
+/// What one decode costs besides the target's forwards: the round trip, the request and the
+/// tokens on the wire, and the per-message overhead.
+fn decode_message_ms(profile: &Profile) -> f64 {
+    // Request (step, root, counts) and K token ids back, with framing: ~ one tree of one node.
+    profile.network.rtt_ms
+        + step_bytes(&Tree::chain(1), 0) / profile.network.bytes_per_ms
+        + profile.overhead_ms
+}
+
+/// Predict the decode fallback with `k` tokens per decode: one "step" is the whole decode,
+/// `k · t_v(1)` of target time plus one round trip, committing k tokens, so its speedup over the
+/// target alone is `k · t_v(1) / (k · t_v(1) + rtt)`, just under 1.
+pub fn predict_decode(profile: &Profile, k: usize) -> Prediction {
+    let k = k.max(1);
+    let t1 = profile.verify.at(1);
+    let verify_ms = k as f64 * t1;
+    let network_ms = decode_message_ms(profile) - profile.overhead_ms;
+    let step_ms = verify_ms + network_ms + profile.overhead_ms;
+    Prediction {
+        nodes: 1,
+        levels: 1,
+        expected_tokens: k as f64,
+        draft_ms: 0.0,
+        network_ms,
+        verify_ms,
+        overhead_ms: profile.overhead_ms,
+        step_ms,
+        speedup: verify_ms / step_ms,
+        parents: vec![-1],
+        pipeline_hit: None,
+    }
+}
+
+/// [`choose_pipelined`] where "no speculation" means the decode fallback with `decode` tokens
+/// per decode (None: root-only trees, one round trip per token, e.g. on a verify node too old
+/// for it). A tree is chosen only when it is predicted faster than that fallback; the
+/// fallback itself is the target alone but for one round trip per `decode` tokens.
+pub fn choose_with_fallback(
+    profile: &Profile,
+    p: &[f64],
+    max_nodes: usize,
+    max_levels: usize,
+    q_entries: usize,
+    pipeline_hit: Option<f64>,
+    decode: Option<usize>,
+) -> Result<AutoPlan, PlanError> {
+    let mut plan = choose_pipelined(profile, p, max_nodes, max_levels, q_entries, pipeline_hit)?;
+    let Some(k) = decode else {
+        return Ok(plan);
+    };
+    let fallback = predict_decode(profile, k);
+    if let Some(root) = plan.by_size.iter_mut().find(|b| b.nodes == 1) {
+        *root = fallback.clone();
+    }
+    if plan.best.nodes == 1 || fallback.speedup >= plan.best.speedup {
+        plan.best = fallback;
+        plan.speculate = false;
+    }
+    Ok(plan)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -500,6 +581,42 @@ mod tests {
             b.best.speedup,
             a.best.speedup
         );
+    }
+
+    #[test]
+    fn decode_fallback_amortizes_the_round_trip() {
+        // t_v(1) = 50 ms, RTT 50 ms: one round trip per token would halve the speed.
+        let prof = profile(|n| 50.0 * n, 40.0, 50.0);
+        let rtt = decode_message_ms(&prof);
+        let k = decode_tokens(&prof, 64, 0.1);
+        // The smallest K that keeps the round trip at ≤ 10 % of a decode.
+        let share = |k: usize| rtt / (k as f64 * 50.0 + rtt);
+        assert!(share(k) <= 0.1 + 1e-12, "k {k}: share {}", share(k));
+        assert!(share(k - 1) > 0.1, "k {k} is not the smallest");
+        assert_eq!(decode_tokens(&prof, 4, 0.1), 4, "bounded by max_tokens");
+        assert_eq!(decode_tokens(&profile(|n| 50.0 * n, 40.0, 0.0), 64, 0.1), 1);
+        let d = predict_decode(&prof, k);
+        assert!((d.step_ms - (k as f64 * 50.0 + rtt)).abs() < 1e-9);
+        assert!((d.speedup - k as f64 * 50.0 / d.step_ms).abs() < 1e-12);
+        assert!(d.speedup >= 0.9 - 1e-12 && d.speedup < 1.0);
+        // No tree pays here (a draft almost as slow as the target): the plan is the decode,
+        // priced far above a root-only tree per token.
+        let p = EXAMPLE_ACCEPTANCE;
+        let plain = choose(&prof, &p, 64, 8, 0).unwrap();
+        let with = choose_with_fallback(&prof, &p, 64, 8, 0, None, Some(k)).unwrap();
+        assert!(!plain.speculate && !with.speculate);
+        assert_eq!(with.best.nodes, 1);
+        assert_eq!(with.best.expected_tokens, k as f64);
+        assert!(with.best.speedup > 1.5 * plain.best.speedup);
+        // Where a tree beats the fallback it is still chosen, and never one predicted slower.
+        let near = profile(|n| 20.0 * (1.0 + 0.02 * n), 0.5, 1.0);
+        let kn = decode_tokens(&near, 64, 0.1);
+        let t = choose_with_fallback(&near, &p, 64, 8, 0, None, Some(kn)).unwrap();
+        assert!(t.speculate && t.best.nodes > 1);
+        assert!(t.best.speedup > predict_decode(&near, kn).speedup);
+        // Without the fallback (an old verify node) nothing changes.
+        let none = choose_with_fallback(&prof, &p, 64, 8, 0, None, None).unwrap();
+        assert_eq!(none.best.step_ms, plain.best.step_ms);
     }
 
     #[test]

@@ -218,6 +218,17 @@ impl DraftSession {
         self.keep_path(drafted, accepted, 0, None)
     }
 
+    /// Follow tokens committed without a tree (the verify node's decode fallback): `tokens` are
+    /// the old root and every decoded token but the newest (the next root). They become
+    /// pending, so a run of decoding costs the draft nothing until a tree needs it again.
+    pub fn commit_decoded(&mut self, tokens: &[u32]) {
+        // A tree grown ahead assumed a verdict that never came.
+        if let Some(ahead) = self.ready.take() {
+            self.cache.truncate(self.cache.len() - ahead.forwarded);
+        }
+        self.pending.extend_from_slice(tokens);
+    }
+
     /// Keep the root and the accepted path of `drafted` in the cache, whose newest entries are
     /// the tree's `forwarded` nodes and then `appended` more (nodes grown ahead, all dropped).
     /// `end_copy`: index among the appended entries of a copy of the path's last node, used in
