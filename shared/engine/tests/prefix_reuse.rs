@@ -112,3 +112,45 @@ fn reuse_refuses_what_the_cache_does_not_hold() {
     let before = cache.allocated_bytes();
     assert_eq!(before, cache.allocated() * model.kv_bytes_per_token());
 }
+
+#[test]
+fn the_store_hands_out_the_longest_match_and_evicts_least_recently_used() {
+    use sequoia_engine::prefix::PrefixStore;
+    let model = model();
+    let vocab = model.info().vocab_size;
+    let per = model.kv_bytes_per_token();
+    let filled = |seq: &[u32]| {
+        let mut c = model.new_cache();
+        prefill(&model, &mut c, seq, 64);
+        c
+    };
+    let a = tokens(20, 8, vocab);
+    let mut b = a[..10].to_vec();
+    b.extend(tokens(15, 9, vocab));
+    let c = tokens(30, 10, vocab);
+    let mut store = PrefixStore::new(60 * per);
+    store.put(a.clone(), filled(&a), usize::MAX).unwrap();
+    store.put(b.clone(), filled(&b), usize::MAX).unwrap();
+    assert_eq!((store.len(), store.bytes()), (2, 45 * per));
+    // A prefix of a kept sequence adds nothing.
+    store
+        .put(a[..12].to_vec(), filled(&a[..12]), usize::MAX)
+        .unwrap();
+    assert_eq!(store.len(), 2);
+    // 30 more tokens pass 60: the least recently used (b; a was just refreshed) goes.
+    store.put(c.clone(), filled(&c), usize::MAX).unwrap();
+    assert_eq!((store.len(), store.bytes()), (2, 50 * per));
+    // The longest match wins, and is moved out.
+    let mut q = a[..15].to_vec();
+    q.extend(tokens(5, 11, vocab));
+    let hit = store.take(&q, 1).unwrap();
+    assert_eq!((hit.reused, hit.cache.len()), (15, 20));
+    assert_eq!(store.len(), 1);
+    assert!(store.take(&q, 1).is_none(), "c shares nothing with q");
+    assert!(store.take(&c[..8], 9).is_none(), "below min_tokens");
+    // Room smaller than the cache: not kept.
+    store.put(a.clone(), filled(&a), 5 * per).unwrap();
+    assert_eq!(store.len(), 1);
+    assert_eq!(store.evict_lru(), 30 * per);
+    assert_eq!((store.len(), store.bytes()), (0, 0));
+}
