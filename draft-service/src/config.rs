@@ -40,6 +40,9 @@ pub struct DraftConfig {
     pub tree: TreeConfig,
     pub lookup: LookupConfig,
     pub pipeline: PipelineConfig,
+    /// Prefix reuse across chat turns: keep finished generations' draft caches for new
+    /// generations whose prompt starts with the same tokens.
+    pub prefix_cache: PrefixCacheConfig,
     /// Emit JSON log lines.
     pub log_json: bool,
     /// TLS certificate chain and private key (PEM) for the Generation service; empty = plaintext.
@@ -150,6 +153,27 @@ pub struct PipelineConfig {
     pub max_forwards: usize,
 }
 
+/// `[prefix_cache]` settings.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PrefixCacheConfig {
+    pub enabled: bool,
+    /// Most memory the kept draft caches may hold, in MiB (least recently used go first).
+    pub max_mb: usize,
+    /// Shortest shared prefix worth reusing, in tokens.
+    pub min_tokens: usize,
+}
+
+impl Default for PrefixCacheConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_mb: 512,
+            min_tokens: 16,
+        }
+    }
+}
+
 impl Default for PipelineConfig {
     fn default() -> Self {
         Self {
@@ -192,6 +216,7 @@ impl Default for DraftConfig {
             tree: TreeConfig::default(),
             lookup: LookupConfig::default(),
             pipeline: PipelineConfig::default(),
+            prefix_cache: PrefixCacheConfig::default(),
             log_json: false,
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),
