@@ -41,6 +41,7 @@
 mod capacity;
 pub(crate) mod charts;
 mod methods;
+mod multi_turn;
 mod prompts;
 mod report;
 mod results;
@@ -49,6 +50,7 @@ mod services;
 
 pub use capacity::{capacity, CapacityArgs};
 pub use methods::*;
+pub use multi_turn::{multi_turn, MultiTurnArgs};
 pub use prompts::*;
 pub use results::*;
 use run::*;
@@ -82,7 +84,8 @@ const CALIBRATION_TOKENS: u32 = 64;
 #[derive(clap::Args, Debug, Clone)]
 #[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
-    /// `sequoia bench capacity ...`: the verify node's throughput under N concurrent sessions.
+    /// `sequoia bench capacity ...`: the verify node's throughput under N concurrent sessions;
+    /// `sequoia bench multi-turn ...`: a chat's second-turn TTFT with prefix reuse on and off.
     #[command(subcommand)]
     pub sub: Option<BenchSub>,
     /// Prompt file: JSONL with `question_id`, `category` and `turns` (the first turn is used).
@@ -266,11 +269,15 @@ pub enum BenchSub {
     /// Verify-node capacity: N concurrent replayed sessions, batching on and off (no draft
     /// model runs during the measurement).
     Capacity(CapacityArgs),
+    /// Time to first token of a chat's second turn (MT-Bench), prefix reuse on and off.
+    MultiTurn(MultiTurnArgs),
 }
 
 pub fn bench(args: &BenchArgs) -> Result<()> {
-    if let Some(BenchSub::Capacity(a)) = &args.sub {
-        return capacity(a);
+    match &args.sub {
+        Some(BenchSub::Capacity(a)) => return capacity(a),
+        Some(BenchSub::MultiTurn(a)) => return multi_turn(a),
+        None => {}
     }
     let methods = parse_methods(&args.methods)?;
     if args.temperatures.is_empty() {

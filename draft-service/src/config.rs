@@ -41,6 +41,9 @@ pub struct DraftConfig {
     pub lookup: LookupConfig,
     pub pipeline: PipelineConfig,
     pub fallback: FallbackConfig,
+    /// Prefix reuse across chat turns: keep finished generations' draft caches for new
+    /// generations whose prompt starts with the same tokens.
+    pub prefix_cache: PrefixCacheConfig,
     /// Emit JSON log lines.
     pub log_json: bool,
     /// TLS certificate chain and private key (PEM) for the Generation service; empty = plaintext.
@@ -180,6 +183,27 @@ impl Default for FallbackConfig {
     }
 }
 
+/// `[prefix_cache]` settings.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PrefixCacheConfig {
+    pub enabled: bool,
+    /// Most memory the kept draft caches may hold, in MiB (least recently used go first).
+    pub max_mb: usize,
+    /// Shortest shared prefix worth reusing, in tokens.
+    pub min_tokens: usize,
+}
+
+impl Default for PrefixCacheConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_mb: 512,
+            min_tokens: 16,
+        }
+    }
+}
+
 impl Default for PipelineConfig {
     fn default() -> Self {
         Self {
@@ -223,6 +247,7 @@ impl Default for DraftConfig {
             lookup: LookupConfig::default(),
             pipeline: PipelineConfig::default(),
             fallback: FallbackConfig::default(),
+            prefix_cache: PrefixCacheConfig::default(),
             log_json: false,
             tls_cert: PathBuf::new(),
             tls_key: PathBuf::new(),

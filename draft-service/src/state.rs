@@ -5,8 +5,9 @@ use crate::config::DraftConfig;
 use crate::nodes::NodePool;
 use crate::plan::Planner;
 use anyhow::Context;
+use sequoia_engine::prefix::{PrefixStore, Reused};
 use sequoia_engine::tokenizer::TextTokenizer;
-use sequoia_engine::{LoadOptions, Model};
+use sequoia_engine::{KvCache, LoadOptions, Model};
 use sequoia_server::admission::Admission;
 use sequoia_server::metrics::Metrics;
 use sequoia_server::security::{self, BearerToken, ClientSecurity};
@@ -26,12 +27,46 @@ pub struct DraftState {
     pub admission: Arc<Admission>,
     /// Where the HTTP API listens, once it does (`http_listen`; unset when off).
     pub http_addr: std::sync::OnceLock<std::net::SocketAddr>,
+    /// Finished generations' draft caches, kept for the next turn of their conversation.
+    pub prefixes: std::sync::Mutex<PrefixStore>,
 }
 
 impl DraftState {
     /// Context limit of this node's draft caches.
     pub fn context_limit(&self) -> usize {
         self.config.max_context.min(self.model.info().max_context)
+    }
+
+    /// The kept draft cache sharing the longest prefix with `prefix` (prefix reuse), taken
+    /// out of the store; counted in the prefix-cache metrics.
+    pub fn take_prefix(&self, prefix: &[u32]) -> Option<Reused> {
+        if !self.config.prefix_cache.enabled {
+            return None;
+        }
+        let mut store = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
+        let hit = store.take(prefix, self.config.prefix_cache.min_tokens.max(1));
+        self.metrics
+            .prefix_lookup(prefix.len(), hit.as_ref().map_or(0, |h| h.reused));
+        self.metrics.set_prefix_stored_bytes(store.bytes());
+        hit
+    }
+
+    /// Keep a finished generation's draft cache (holding the first `cache.len()` of
+    /// `tokens`). Copies the live entries, so call it off the async threads.
+    pub fn keep_prefix(&self, tokens: Vec<u32>, mut cache: KvCache) {
+        if !self.config.prefix_cache.enabled {
+            return;
+        }
+        // The copy runs outside the lock, so other generations' lookups do not wait for it.
+        if let Err(e) = cache.shrink_to_fit() {
+            tracing::warn!(error = %e, "could not keep a draft prefix cache");
+            return;
+        }
+        let mut store = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = store.put(tokens, cache, usize::MAX) {
+            tracing::warn!(error = %e, "could not keep a draft prefix cache");
+        }
+        self.metrics.set_prefix_stored_bytes(store.bytes());
     }
 }
 
@@ -102,7 +137,13 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
     let tokenizer = TextTokenizer::load_for_model(&config.model)
         .with_context(|| format!("loading tokenizer for {}", config.model.display()))?;
     let metrics = Metrics::for_listen("draft-service", &config.metrics_listen);
+    let kept = if config.prefix_cache.enabled {
+        config.prefix_cache.max_mb.saturating_mul(1 << 20)
+    } else {
+        0
+    };
     Ok(Arc::new(DraftState {
+        prefixes: std::sync::Mutex::new(PrefixStore::new(kept)),
         admission: Admission::new(config.max_sessions, metrics.clone()),
         metrics,
         model: Arc::new(model),

@@ -66,6 +66,9 @@ pub struct VerifyConfig {
     pub kv_budget_mb: usize,
     /// Continuous batching of every session's trees and prefill chunks.
     pub batch: crate::batch::BatchConfig,
+    /// Prefix reuse across chat turns: ended sessions' caches are kept (within
+    /// `kv_budget_mb`, evicted first) for new sessions whose prompt starts with the same tokens.
+    pub prefix_cache: crate::kv_pool::PrefixCacheConfig,
 }
 
 impl Default for VerifyConfig {
@@ -97,6 +100,7 @@ impl Default for VerifyConfig {
             refuse_tokens_without_tls: false,
             kv_budget_mb: 8192,
             batch: crate::batch::BatchConfig::default(),
+            prefix_cache: crate::kv_pool::PrefixCacheConfig::default(),
         }
     }
 }
@@ -138,5 +142,6 @@ mod tests {
             assert!(documented, "{key} is not documented in the example");
         }
         assert_eq!(c.batch, crate::batch::BatchConfig::default());
+        assert_eq!(c.prefix_cache, crate::kv_pool::PrefixCacheConfig::default());
     }
 }

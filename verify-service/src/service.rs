@@ -59,7 +59,11 @@ impl VerifyState {
             )
         });
         Self {
-            kv: KvPool::new(config.kv_budget_mb.saturating_mul(1 << 20), metrics.clone()),
+            kv: KvPool::with_prefix_cache(
+                config.kv_budget_mb.saturating_mul(1 << 20),
+                &config.prefix_cache,
+                metrics.clone(),
+            ),
             scheduler,
             admission,
             metrics,
@@ -179,21 +183,45 @@ async fn run_session(
     let limits = state.limits();
     let prefix = open.prefix_tokens;
     let max_new = open.max_new_tokens as usize;
-    let session = VerifySession::new(&state.model, &prefix, params, open.seed, max_new, limits)
+    let mut session = VerifySession::new(&state.model, &prefix, params, open.seed, max_new, limits)
         .map_err(to_status)?;
+    // A kept cache of an earlier session whose tokens start like this prompt (the previous
+    // turn of a chat): only the rest is prefilled. Taken before the reservation so that the
+    // reservation cannot evict it.
+    let kept = if state.config.prefix_cache.enabled {
+        state.kv.take_prefix(&prefix)
+    } else {
+        None
+    };
     // Memory for everything this session's cache can grow to, or a clear refusal now.
     let kv_bytes = session.cache_capacity() * state.model.kv_bytes_per_token();
-    let _kv = state
-        .kv
-        .reserve(kv_bytes)
-        .map_err(Status::resource_exhausted)?;
+    let kv = match state.kv.reserve(kv_bytes) {
+        Ok(kv) => kv,
+        Err(message) => {
+            if let Some(k) = kept {
+                // Not this session's to lose: it stays for the next one.
+                let pool = state.kv.clone();
+                let tokens = prefix[..k.reused].to_vec();
+                keep_kept(pool, k, tokens).await;
+            }
+            return Err(Status::resource_exhausted(message));
+        }
+    };
+    let reused = match kept {
+        Some(k) => {
+            session.adopt(k.cache, k.reused).map_err(to_status)?;
+            k.reused
+        }
+        None => 0,
+    };
+    let suffix = prefix[reused..].to_vec();
     let (mut session, prefill_ms) = match &state.scheduler {
-        Some(scheduler) => scheduler.prefill(session, prefix).await,
+        Some(scheduler) => scheduler.prefill(session, suffix).await,
         None => {
             let model = state.model.clone();
             blocking(move || {
                 let mut session = session;
-                session.prefill(&model, &prefix).map(|ms| (session, ms))
+                session.prefill(&model, &suffix).map(|ms| (session, ms))
             })
             .await?
         }
@@ -230,7 +258,11 @@ async fn run_session(
                 ));
             }
         };
-        let Some(msg) = msg else { break };
+        let Some(msg) = msg else {
+            // The generation ended normally: keep its cache for the conversation's next turn.
+            end_session(&state, session, kv).await;
+            break;
+        };
         let tree = match msg.msg {
             Some(session_request::Msg::Tree(tree)) => tree,
             Some(session_request::Msg::Decode(req)) => {
@@ -306,6 +338,37 @@ async fn run_session(
         }
     }
     Ok(())
+}
+
+/// Free an ended session's reservation, then keep its cache (prompt and generated tokens) for
+/// a later session that starts with the same tokens.
+async fn end_session(
+    state: &Arc<VerifyState>,
+    session: VerifySession,
+    kv: crate::kv_pool::KvReservation,
+) {
+    drop(kv);
+    if !state.config.prefix_cache.enabled {
+        return;
+    }
+    let pool = state.kv.clone();
+    let _ = blocking(move || {
+        let (tokens, cache) = session.into_kept();
+        pool.keep_prefix(tokens, cache);
+    })
+    .await;
+}
+
+/// Put back a kept cache a session took but could not use. Only the part known here (the
+/// `tokens` it shares with the refused prompt) is kept.
+async fn keep_kept(pool: Arc<KvPool>, kept: sequoia_engine::prefix::Reused, tokens: Vec<u32>) {
+    let mut cache = kept.cache;
+    let _ = blocking(move || {
+        if cache.reuse_prefix(kept.reused, cache.capacity()).is_ok() {
+            pool.keep_prefix(tokens, cache);
+        }
+    })
+    .await;
 }
 
 /// Resolves once the node tells its sessions to move (never if the flag's sender is gone).

@@ -48,6 +48,9 @@ pub struct StepResult {
 
 pub struct VerifySession {
     pub(crate) cache: KvCache,
+    /// The tokens the cache's entries hold (the prefix, then each step's root and accepted
+    /// path), at least `cache.len()` of them: what a kept cache is matched by.
+    tokens: Vec<u32>,
     params: SamplingParams,
     rng: SessionRng,
     next_step: u64,
@@ -134,12 +137,36 @@ impl VerifySession {
         let cache = model.new_cache_limited(kv_tokens(prefix.len(), max_new_tokens, &limits));
         Ok(Self {
             cache,
+            tokens: prefix.to_vec(),
             params,
             rng: SessionRng::new(seed, VERIFY_STREAM),
             next_step: 0,
             limits,
             token_limit: prefix.len() + max_new_tokens,
         })
+    }
+
+    /// Start from a kept cache whose first `reused` entries hold this session's first `reused`
+    /// prefix tokens (prefix reuse); the caller then prefills only the rest of the prefix.
+    /// Call before any prefill.
+    pub fn adopt(&mut self, mut cache: KvCache, reused: usize) -> Result<(), SessionError> {
+        if !self.cache.is_empty() || reused > self.tokens.len() {
+            return Err(SessionError::Invalid(format!(
+                "a kept cache of {reused} tokens cannot start a session holding {} of a {}-token prefix",
+                self.cache.len(),
+                self.tokens.len()
+            )));
+        }
+        cache.reuse_prefix(reused, self.cache.capacity())?;
+        self.cache = cache;
+        Ok(())
+    }
+
+    /// The session's tokens and cache, to keep for a later session (prefix reuse).
+    pub fn into_kept(self) -> (Vec<u32>, KvCache) {
+        let mut tokens = self.tokens;
+        tokens.truncate(self.cache.len());
+        (tokens, self.cache)
     }
 
     pub fn context_len(&self) -> usize {
@@ -268,6 +295,8 @@ impl VerifySession {
         keep.push(0);
         keep.extend(&verdict.accepted);
         self.cache.keep_newest(tree.len(), &keep)?;
+        self.tokens.truncate(self.cache.len() - keep.len());
+        self.tokens.extend(keep.iter().map(|&v| tokens[v]));
         self.next_step += 1;
         Ok(StepResult {
             step,

@@ -155,6 +155,18 @@ async fn generate(
     let summary = g.summary(finish, t_start, t_gen.elapsed());
     // Recorded here rather than by a front end, so gRPC and HTTP generations count alike.
     record_summary(&state.metrics, &summary);
+    // End the verify session before the client hears of the end, so its cache is being kept
+    // by the time the conversation's next turn arrives; then keep the draft's own.
+    let mut committed = prep.prompt_tokens.clone();
+    committed.extend_from_slice(&g.generated);
+    drop(g);
+    if state.config.prefix_cache.enabled {
+        let keeper = state.clone();
+        let _ = tokio::task::spawn_blocking(move || {
+            keeper.keep_prefix(committed, draft.into_committed_cache())
+        })
+        .await;
+    }
     let _ = tx
         .send(Ok(GenerateChunk {
             text: tail,
@@ -224,9 +236,23 @@ impl<'a> Generation<'a> {
         let head_vocab = state.config.draft_vocab;
         let t_prefill = Instant::now();
         let draft_prefix = prefix.clone();
+        // The previous turn of this conversation may have left its draft cache: then only the
+        // new part of the prompt is prefilled (the verify node does the same on its side).
+        let kept = state.take_prefix(&prefix);
         let draft_prefill = tokio::task::spawn_blocking(move || {
-            DraftSession::new(&model, &draft_prefix, params, seed, wire_k)
-                .map(|d| d.with_head_vocab(&model, head_vocab))
+            match kept {
+                Some(k) => DraftSession::resume(
+                    &model,
+                    k.cache,
+                    k.reused,
+                    &draft_prefix,
+                    params,
+                    seed,
+                    wire_k,
+                ),
+                None => DraftSession::new(&model, &draft_prefix, params, seed, wire_k),
+            }
+            .map(|d| d.with_head_vocab(&model, head_vocab))
         });
         let sampling = wire::sampling_config(&prep.params);
         let link = match VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await {

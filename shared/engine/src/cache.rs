@@ -167,6 +167,63 @@ impl KvCache {
         })
     }
 
+    /// Take this cache over for a new sequence whose first `keep` tokens equal the first
+    /// `keep` tokens this cache holds (prefix reuse across chat turns; the caller compares the
+    /// tokens). Entries from `keep` on are dropped and the cache gets a new size `limit`;
+    /// storage beyond `limit` is given back, so memory stays within what the new owner
+    /// reserved. The kept entries are untouched, so the logits after forwarding the rest of the
+    /// sequence are those of a fresh prefill of all of it (batch-invariant kernels; tested in
+    /// shared/engine/tests/prefix_reuse.rs).
+    pub fn reuse_prefix(&mut self, keep: usize, limit: usize) -> Result<(), EngineError> {
+        if keep > self.len {
+            return Err(EngineError::InvalidInput(format!(
+                "reuse_prefix: keep = {keep} but the cache holds only {} entries",
+                self.len
+            )));
+        }
+        if keep > limit {
+            return Err(EngineError::ContextFull {
+                needed: keep,
+                limit,
+            });
+        }
+        self.len = keep;
+        self.limit = limit;
+        if self.allocated > limit {
+            self.shrink_allocation(limit)?;
+        }
+        Ok(())
+    }
+
+    /// Give back the storage past the live entries (a cache kept for later reuse holds only
+    /// what it can give).
+    pub fn shrink_to_fit(&mut self) -> Result<(), EngineError> {
+        if self.allocated > self.len {
+            self.shrink_allocation(self.len)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of K and V storage this cache holds now.
+    pub fn allocated_bytes(&self) -> usize {
+        2 * self.layers.len()
+            * self.kv_heads
+            * self.head_dim
+            * self.allocated
+            * self.dtype.size_in_bytes()
+    }
+
+    fn shrink_allocation(&mut self, to: usize) -> Result<(), EngineError> {
+        for layer in &mut self.layers {
+            for t in [&mut layer.k, &mut layer.v] {
+                // A narrowed view would keep the whole storage alive: copy it out.
+                *t = t.narrow(1, 0, to)?.force_contiguous()?;
+            }
+        }
+        self.allocated = to;
+        Ok(())
+    }
+
     /// Make room for `needed` entries in total, or fail with `ContextFull`.
     pub(crate) fn reserve(&mut self, needed: usize) -> Result<(), EngineError> {
         if needed > self.limit {

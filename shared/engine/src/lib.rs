@@ -51,6 +51,7 @@ pub mod cache;
 pub mod drafting;
 mod layers;
 pub mod model;
+pub mod prefix;
 pub mod profiling;
 mod qkernels;
 mod qmatmul;

@@ -34,6 +34,10 @@
 //! | [`REQUESTS_RUNNING`] | gauge | verify: sessions in the batch now computing (vLLM's `num_requests_running`) |
 //! | [`REQUESTS_WAITING`] | gauge | verify: trees and prefills queued for the next batch (vLLM's `num_requests_waiting`) |
 //! | [`KV_CACHE_USAGE`] | gauge, 0..1 | verify: KV memory reserved by open sessions / `kv_budget_mb` (vLLM's `kv_cache_usage_perc`) |
+//! | [`PREFIX_CACHE_QUERIES`] | counter | both: prompt tokens looked up in the prefix cache (vLLM's `prefix_cache_queries`) |
+//! | [`PREFIX_CACHE_HITS`] | counter | both: sessions/generations that reused a kept prefix |
+//! | [`PREFIX_CACHE_HIT_TOKENS`] | counter | both: prompt tokens not prefilled because a kept cache held them (vLLM's `prefix_cache_hits`) |
+//! | [`PREFIX_CACHE_STORED_BYTES`] | gauge, bytes | both: memory of the kept prefix caches (on the verify node part of `kv_budget_mb`) |
 //! | [`BUSY_RATIO`] | gauge, 0..1 | verify: share of the last ~10 s the node spent in forwards; the autoscaler's metric |
 //! | [`HTTP_REQUESTS`] | counter, `route`, `status` | draft: OpenAI-compatible HTTP requests (appears with the first request) |
 //!
@@ -76,10 +80,14 @@ pub const REQUESTS_RUNNING: &str = "sequoia_num_requests_running";
 pub const REQUESTS_WAITING: &str = "sequoia_num_requests_waiting";
 pub const KV_CACHE_USAGE: &str = "sequoia_kv_cache_usage_perc";
 pub const BUSY_RATIO: &str = "sequoia_verify_busy_ratio";
+pub const PREFIX_CACHE_QUERIES: &str = "sequoia_prefix_cache_queries_total";
+pub const PREFIX_CACHE_HITS: &str = "sequoia_prefix_cache_hits_total";
+pub const PREFIX_CACHE_HIT_TOKENS: &str = "sequoia_prefix_cache_hit_tokens_total";
+pub const PREFIX_CACHE_STORED_BYTES: &str = "sequoia_prefix_cache_stored_bytes";
 
 /// Every series registered from the start (all but [`HTTP_REQUESTS`], whose labels are only
 /// known once requests arrive), for tests and docs.
-pub const ALL: [&str; 25] = [
+pub const ALL: [&str; 29] = [
     REQUESTS,
     GENERATED_TOKENS,
     STEPS,
@@ -105,6 +113,10 @@ pub const ALL: [&str; 25] = [
     REQUESTS_WAITING,
     KV_CACHE_USAGE,
     BUSY_RATIO,
+    PREFIX_CACHE_QUERIES,
+    PREFIX_CACHE_HITS,
+    PREFIX_CACHE_HIT_TOKENS,
+    PREFIX_CACHE_STORED_BYTES,
 ];
 
 /// Ranks above this share the last `rank` label value (keeps the label set bounded).
@@ -156,6 +168,10 @@ struct Inner {
     waiting: Gauge,
     kv_usage: Gauge,
     busy: Gauge,
+    prefix_queries: Counter,
+    prefix_hits: Counter,
+    prefix_hit_tokens: Counter,
+    prefix_stored: Gauge,
     addr: OnceLock<SocketAddr>,
 }
 
@@ -238,6 +254,10 @@ impl Metrics {
             waiting: recorder.register_gauge(&key(REQUESTS_WAITING), &METADATA),
             kv_usage: recorder.register_gauge(&key(KV_CACHE_USAGE), &METADATA),
             busy: recorder.register_gauge(&key(BUSY_RATIO), &METADATA),
+            prefix_queries: recorder.register_counter(&key(PREFIX_CACHE_QUERIES), &METADATA),
+            prefix_hits: recorder.register_counter(&key(PREFIX_CACHE_HITS), &METADATA),
+            prefix_hit_tokens: recorder.register_counter(&key(PREFIX_CACHE_HIT_TOKENS), &METADATA),
+            prefix_stored: recorder.register_gauge(&key(PREFIX_CACHE_STORED_BYTES), &METADATA),
             addr: OnceLock::new(),
             recorder,
         };
@@ -247,6 +267,7 @@ impl Metrics {
             &inner.waiting,
             &inner.kv_usage,
             &inner.busy,
+            &inner.prefix_stored,
         ] {
             g.set(0.0);
         }
@@ -389,6 +410,25 @@ impl Metrics {
     pub fn set_kv_usage(&self, fraction: f64) {
         if let Some(i) = &self.0 {
             i.kv_usage.set(fraction);
+        }
+    }
+
+    /// A prefix-cache lookup for a prompt of `prompt_tokens` tokens that found `hit_tokens`
+    /// of them kept (0 = a miss).
+    pub fn prefix_lookup(&self, prompt_tokens: usize, hit_tokens: usize) {
+        if let Some(i) = &self.0 {
+            i.prefix_queries.increment(prompt_tokens as u64);
+            if hit_tokens > 0 {
+                i.prefix_hits.increment(1);
+                i.prefix_hit_tokens.increment(hit_tokens as u64);
+            }
+        }
+    }
+
+    /// Memory held by kept prefix caches now.
+    pub fn set_prefix_stored_bytes(&self, bytes: usize) {
+        if let Some(i) = &self.0 {
+            i.prefix_stored.set(bytes as f64);
         }
     }
 

@@ -143,6 +143,48 @@ impl DraftSession {
         })
     }
 
+    /// [`new`](Self::new) from a kept cache whose first `reused` entries hold `prefix[..reused]`
+    /// (prefix reuse across chat turns): only the rest of the prefix is forwarded.
+    pub fn resume(
+        model: &Model,
+        mut cache: KvCache,
+        reused: usize,
+        prefix: &[u32],
+        params: SamplingParams,
+        seed: u64,
+        wire_top_k: usize,
+    ) -> Result<Self, EngineError> {
+        if reused > prefix.len() {
+            return Err(EngineError::InvalidInput(format!(
+                "resume: {reused} reused tokens but the prefix has {}",
+                prefix.len()
+            )));
+        }
+        cache.reuse_prefix(reused, model.info().max_context)?;
+        if reused < prefix.len() {
+            model.forward_chain(&mut cache, &prefix[reused..])?;
+        }
+        Ok(Self {
+            cache,
+            pending: Vec::new(),
+            seed,
+            params,
+            wire_top_k,
+            head_vocab: model.info().vocab_size,
+            ready: None,
+        })
+    }
+
+    /// The cache with only the committed tokens the draft model has processed: the first
+    /// `len()` of the generation's committed tokens (prompt, then generated). Nodes of trees
+    /// grown ahead are dropped. For keeping after the generation ends (prefix reuse).
+    pub fn into_committed_cache(self) -> KvCache {
+        let committed = self.context_len() - self.pending.len();
+        let mut cache = self.cache;
+        cache.truncate(committed);
+        cache
+    }
+
     /// Score only token ids `0..k` when drafting (clamped to the vocabulary; 0 = all). For
     /// BPE vocabularies whose ids follow merge order, that keeps the most frequent tokens.
     pub fn with_head_vocab(mut self, model: &Model, k: usize) -> Self {
