@@ -404,7 +404,7 @@ fn demo_given(args: &DemoArgs, addr: &str) -> Result<()> {
     Ok(())
 }
 
-fn resolve(arg: &str) -> Result<PathBuf> {
+pub(crate) fn resolve(arg: &str) -> Result<PathBuf> {
     let p = PathBuf::from(arg);
     if p.exists() {
         return Ok(p);
@@ -453,6 +453,12 @@ impl Service {
             );
         }
         Ok(())
+    }
+
+    /// SIGKILL and reap: the process dies at once, like a lost machine (`sequoia chaos`).
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// SIGTERM, then wait up to 10 s, then kill.

@@ -2,10 +2,13 @@
 //!
 //! - `tree plan` / `tree bench`: Sequoia tree shapes from an acceptance vector;
 //! - `generate-local` / `engine-bench`: the target alone on this machine (the baseline);
-//! - `generate` / `demo`: talk to the services over the `sequoia.v1` gRPC API.
+//! - `generate` / `demo`: talk to the services over the `sequoia.v1` gRPC API;
+//! - `chaos`: verify nodes killed and restarted under load (issue 17's chaos run, longer).
 
 mod acceptance_cmd;
 mod bench_cmd;
+mod chaos_cmd;
+mod chaos_driver;
 mod client_cmds;
 mod delay_proxy;
 mod engine_cmds;
@@ -46,6 +49,10 @@ enum Command {
     Bench(bench_cmd::BenchArgs),
     /// TCP proxy that adds a round-trip delay (emulates the network between two hosts).
     NetDelay(delay_proxy::NetDelayArgs),
+    /// Chaos run: verify nodes SIGKILLed and restarted at random under concurrent load; every
+    /// generation must equal the target's greedy output or get a retriable status, and nothing
+    /// may leak.
+    Chaos(chaos_cmd::ChaosArgs),
 }
 
 #[derive(Subcommand)]
@@ -78,5 +85,6 @@ fn main() -> Result<()> {
         Command::EngineBench(a) => engine_cmds::engine_bench(&a),
         Command::Bench(a) => bench_cmd::bench(&a),
         Command::NetDelay(a) => delay_proxy::net_delay(&a),
+        Command::Chaos(a) => chaos_cmd::chaos(&a),
     }
 }

@@ -37,6 +37,10 @@ pub struct DraftConfig {
     pub step_timeout_secs: f64,
     /// Seconds to wait when connecting to a verify node.
     pub connect_timeout_secs: f64,
+    /// Seconds a generation waits for its client to take the next chunk (its stream buffer
+    /// full) before it ends and frees its slot and verify session: a client that stops
+    /// reading holds nothing for longer. 0 = end at once when the buffer is full.
+    pub send_timeout_secs: f64,
     pub tree: TreeConfig,
     pub lookup: LookupConfig,
     pub pipeline: PipelineConfig,
@@ -66,9 +70,9 @@ pub struct DraftConfig {
     pub verify_token: String,
     pub verify_token_file: PathBuf,
     /// Plaintext grpc.health.v1-only address for Kubernetes probes (which cannot speak TLS),
-    /// e.g. 0.0.0.0:50061; empty = off (health is always served on `listen` too).
+    /// e.g. 127.0.0.1:50061 (0.0.0.0 only where probes come from outside); empty = off (health is always served on `listen` too).
     pub health_listen: String,
-    /// Prometheus `/metrics` address, e.g. 0.0.0.0:9091; empty = off.
+    /// Prometheus `/metrics` address, e.g. 127.0.0.1:9091; empty = off (no default bind beyond loopback).
     pub metrics_listen: String,
     /// OpenAI-compatible HTTP API and web playground (draft-service/src/http/), with the same
     /// TLS, tokens and generation slots as `listen`; empty = off.
@@ -243,6 +247,7 @@ impl Default for DraftConfig {
             draft_vocab: 32_768,
             step_timeout_secs: 60.0,
             connect_timeout_secs: 5.0,
+            send_timeout_secs: 30.0,
             tree: TreeConfig::default(),
             lookup: LookupConfig::default(),
             pipeline: PipelineConfig::default(),

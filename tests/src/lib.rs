@@ -537,7 +537,12 @@ impl VerifyProcess {
             .and_then(|l| l.local_addr())
             .expect("a free port")
             .port();
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        Self::start_at(exe, model, ([127, 0, 0, 1], port).into(), env)
+    }
+
+    /// [`start`](Self::start) on a given address: a node restarted after a kill comes back
+    /// where the draft-service's configuration points.
+    pub fn start_at(exe: &str, model: &Path, addr: SocketAddr, env: &[(&str, &str)]) -> Self {
         let child = std::process::Command::new(exe)
             .arg("--model")
             .arg(model)

@@ -534,6 +534,260 @@ fn profile_work_is_bounded() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Connection limits, half-open peers, cancelled work, clients that stop reading
+// ---------------------------------------------------------------------------------------------
+
+/// `active_sessions` as Info reports it, asked on a connection of its own.
+async fn active_sessions(url: &str) -> u32 {
+    let mut c = VerifierClient::connect(url.to_string()).await.unwrap();
+    c.info(pb::InfoRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .active_sessions
+}
+
+/// Poll until the node reports `want` open sessions; false after `secs`.
+async fn reaches_active(url: &str, want: u32, secs: u64) -> bool {
+    for _ in 0..secs * 10 {
+        if active_sessions(url).await == want {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    false
+}
+
+type OpenStream = (
+    mpsc::Sender<pb::SessionRequest>,
+    Streaming<pb::SessionResponse>,
+);
+
+/// Open a session on `c` and wait for `Opened`.
+async fn open_session(c: &mut VerifierClient<tonic::transport::Channel>) -> OpenStream {
+    let (tx, rx) = mpsc::channel(2);
+    tx.send(open_msg(limits::PROTOCOL_VERSION)).await.unwrap();
+    let mut s = c
+        .session(ReceiverStream::new(rx))
+        .await
+        .expect("session stream")
+        .into_inner();
+    let first = s.message().await.expect("opened").expect("stream open");
+    assert!(matches!(
+        first.msg,
+        Some(pb::session_response::Msg::Opened(_))
+    ));
+    (tx, s)
+}
+
+#[test]
+fn one_connection_cannot_open_more_streams_than_its_cap() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_service::config::VerifyConfig {
+        max_concurrent_streams: 2,
+        ..verify_config(&pair.target)
+    });
+    let url = verify.url();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(within(60, async {
+        // One HTTP/2 connection shared by every call below.
+        let channel = tonic::transport::Endpoint::from_shared(url.clone())
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let first = open_session(&mut VerifierClient::new(channel.clone())).await;
+        let _second = open_session(&mut VerifierClient::new(channel.clone())).await;
+        let mut c3 = VerifierClient::new(channel.clone());
+        let third = tokio::spawn(async move { open_session(&mut c3).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        // The node has room for 64 sessions; only the per-connection cap holds the third back.
+        assert_eq!(
+            active_sessions(&url).await,
+            2,
+            "a third stream got past the cap"
+        );
+        assert!(!third.is_finished());
+        // When one stream ends, the waiting one gets its turn on the same connection.
+        drop(first);
+        let _third = tokio::time::timeout(Duration::from_secs(30), third)
+            .await
+            .expect("the third stream opens once another ends")
+            .unwrap();
+        assert_eq!(active_sessions(&url).await, 2);
+    }));
+}
+
+/// A TCP proxy that can be frozen: from then on it forwards nothing in either direction but
+/// keeps both sockets open, like a peer whose machine vanished (a half-open connection).
+async fn freezable_proxy(
+    upstream: SocketAddr,
+) -> (SocketAddr, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let frozen = std::sync::Arc::new(AtomicBool::new(false));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let f = frozen.clone();
+    tokio::spawn(async move {
+        while let Ok((down, _)) = listener.accept().await {
+            let Ok(up) = tokio::net::TcpStream::connect(upstream).await else {
+                continue;
+            };
+            let (dr, dw) = down.into_split();
+            let (ur, uw) = up.into_split();
+            for (mut r, mut w) in [
+                (
+                    Box::new(dr) as Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+                    Box::new(uw) as Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+                ),
+                (Box::new(ur) as _, Box::new(dw) as _),
+            ] {
+                let f = f.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 16 * 1024];
+                    loop {
+                        let n = match r.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => n,
+                        };
+                        if f.load(Ordering::Relaxed) {
+                            // Hold both sockets, forward nothing, forever.
+                            std::future::pending::<()>().await;
+                        }
+                        if w.write_all(&buf[..n]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        }
+    });
+    (addr, frozen)
+}
+
+#[test]
+fn half_open_connection_is_dropped_by_keepalive_and_its_slot_freed() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_service::config::VerifyConfig {
+        keepalive_secs: 0.3,
+        // Only the keepalive can notice this peer is gone.
+        idle_timeout_secs: 3600.0,
+        ..verify_config(&pair.target)
+    });
+    let url = verify.url();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(within(90, async {
+        let (proxy, frozen) = freezable_proxy(verify.addr).await;
+        let mut c = VerifierClient::connect(format!("http://{proxy}"))
+            .await
+            .unwrap();
+        let _held = open_session(&mut c).await;
+        assert_eq!(active_sessions(&url).await, 1);
+        frozen.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            reaches_active(&url, 0, 60).await,
+            "a half-open connection kept its session"
+        );
+    }));
+}
+
+#[test]
+fn cancelled_profile_stops_its_work_and_frees_the_slot() {
+    // A target slow enough that the whole profile below would run for minutes.
+    let dir = tempfile::tempdir().unwrap();
+    let spec = sequoia_engine::testing::TinySpec {
+        hidden: 256,
+        layers: 4,
+        heads: 4,
+        kv_heads: 2,
+        intermediate: 768,
+        ..tiny_spec(5)
+    };
+    sequoia_engine::testing::write_tiny_model(dir.path(), &spec).unwrap();
+    sequoia_engine::tokenizer::testing::write_tiny_tokenizer(dir.path()).unwrap();
+    let verify = start_verify(verify_service::config::VerifyConfig {
+        max_sessions: 1,
+        profile_timeout_secs: 3600.0,
+        ..verify_config(dir.path())
+    });
+    let url = verify.url();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(within(90, async {
+        let mut c = VerifierClient::connect(url.clone()).await.unwrap();
+        let call = tokio::spawn(async move {
+            c.profile(pb::ProfileRequest {
+                tree_sizes: vec![512; limits::MAX_PROFILE_SIZES],
+                context_length: 500,
+                repeats: limits::MAX_PROFILE_REPEATS,
+            })
+            .await
+        });
+        assert!(
+            reaches_active(&url, 1, 30).await,
+            "the profile never took its slot"
+        );
+        // The caller goes away.
+        call.abort();
+        assert!(
+            reaches_active(&url, 0, 30).await,
+            "the abandoned profile kept working and held its slot"
+        );
+        // The slot really is free.
+        let mut other = VerifierClient::connect(url.clone()).await.unwrap();
+        let _s = open_session(&mut other).await;
+    }));
+}
+
+#[test]
+fn client_that_never_reads_its_stream_frees_the_slot_by_its_deadline() {
+    use sequoia_proto::v1::generation_client::GenerationClient;
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_config(&pair.target));
+    let draft = start_draft(DraftConfig {
+        max_sessions: 1,
+        send_timeout_secs: 0.5,
+        ..draft_config(&pair.draft, &[verify.url()], 4, 3)
+    });
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(within(120, async {
+        // A client with a tiny HTTP/2 window that never reads: the draft's sends back up.
+        let channel = tonic::transport::Endpoint::from_shared(draft.url())
+            .unwrap()
+            .initial_stream_window_size(Some(64))
+            .initial_connection_window_size(Some(64))
+            .connect()
+            .await
+            .unwrap();
+        let _stuck = GenerationClient::new(channel)
+            .generate(request("hello world", 900, 0.0, 1))
+            .await
+            .expect("the stuck generation starts")
+            .into_inner();
+        // Another client is served once the stuck one's deadline has freed the only slot.
+        let mut served = None;
+        for _ in 0..600 {
+            match generate(&draft.url(), request("quick fox", 8, 0.0, 2)).await {
+                Ok(g) => {
+                    served = Some(g);
+                    break;
+                }
+                Err(s) if s.code() == Code::ResourceExhausted => {
+                    tokio::time::sleep(Duration::from_millis(100)).await
+                }
+                Err(s) => panic!("unexpected status: {s:?}"),
+            }
+        }
+        let g = served.expect("a client that never reads held the slot");
+        assert!(g.summary.is_some());
+        assert!(
+            reaches_active(&verify.url(), 0, 30).await,
+            "the stuck generation's verify session stayed open"
+        );
+    }));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Draft side: request size, drain deadline
 // ---------------------------------------------------------------------------------------------
 

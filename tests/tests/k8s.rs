@@ -326,6 +326,19 @@ fn check_service(r: &Rendered, s: &ServiceCheck<'_>, secret_keys: &mut BTreeSet<
         "{}: probes need health_listen",
         c.name
     );
+    // The example configs bind these to loopback; a pod must open them to the pod IP, or the
+    // kubelet's probes and Prometheus cannot reach them.
+    for (key, addr) in [
+        ("health_listen", &s.health_listen),
+        ("metrics_listen", &s.metrics_listen),
+    ] {
+        assert!(
+            addr.starts_with("0.0.0.0:"),
+            "{}: {key} = {addr:?}; set SEQUOIA_{} to 0.0.0.0:PORT in the manifest",
+            c.name,
+            key.to_uppercase()
+        );
+    }
     let health = container_port(c, "health");
     assert_eq!(health, port_of(&s.health_listen), "{}", c.name);
     assert_eq!(
@@ -751,4 +764,44 @@ fn dockerfile_matches_the_manifests() {
         !ignore.lines().any(|l| l.starts_with("scripts")),
         "shared embeds scripts/"
     );
+}
+
+/// Safe defaults (issue 17): outside Kubernetes, probes and metrics are reachable from this host
+/// only unless configured otherwise, both in the code's defaults and in the example configs.
+#[test]
+fn probes_and_metrics_bind_to_loopback_unless_configured() {
+    fn local_or_off(what: &str, addr: &str) {
+        let host = addr.rsplit_once(':').map(|(h, _)| h).unwrap_or("");
+        assert!(
+            addr.is_empty() || host == "127.0.0.1" || host == "[::1]" || host == "localhost",
+            "{what} = {addr:?} is reachable from other hosts"
+        );
+    }
+    let v: VerifyConfig = sequoia_server::config::load(
+        &VerifyConfig::default(),
+        Some(&repo().join("deploy/config/verify-service.toml")),
+        &serde_json::json!({}),
+    )
+    .unwrap();
+    let d: DraftConfig = sequoia_server::config::load(
+        &DraftConfig::default(),
+        Some(&repo().join("deploy/config/draft-service.toml")),
+        &serde_json::json!({}),
+    )
+    .unwrap();
+    let (vd, dd) = (VerifyConfig::default(), DraftConfig::default());
+    for (what, addr) in [
+        ("verify-service.toml health_listen", &v.health_listen),
+        ("verify-service.toml metrics_listen", &v.metrics_listen),
+        ("draft-service.toml health_listen", &d.health_listen),
+        ("draft-service.toml metrics_listen", &d.metrics_listen),
+        ("VerifyConfig::default().health_listen", &vd.health_listen),
+        ("VerifyConfig::default().metrics_listen", &vd.metrics_listen),
+        ("DraftConfig::default().health_listen", &dd.health_listen),
+        ("DraftConfig::default().metrics_listen", &dd.metrics_listen),
+    ] {
+        local_or_off(what, addr);
+    }
+    // The example configs do turn them on (the Dockerfile and manifests rely on the ports).
+    assert!(!v.metrics_listen.is_empty() && !d.health_listen.is_empty());
 }

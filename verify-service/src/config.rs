@@ -41,9 +41,9 @@ pub struct VerifyConfig {
     /// File with one accepted token per line (e.g. a mounted Kubernetes Secret).
     pub auth_tokens_file: PathBuf,
     /// Plaintext grpc.health.v1-only address for Kubernetes probes (which cannot speak TLS),
-    /// e.g. 0.0.0.0:50062; empty = off (health is always served on `listen` too).
+    /// e.g. 127.0.0.1:50062 (0.0.0.0 only where probes come from outside); empty = off (health is always served on `listen` too).
     pub health_listen: String,
-    /// Prometheus `/metrics` address, e.g. 0.0.0.0:9090; empty = off.
+    /// Prometheus `/metrics` address, e.g. 127.0.0.1:9090; empty = off (no default bind beyond loopback).
     pub metrics_listen: String,
     /// Seconds a new Session stream may wait for its `open` message (it holds no slot
     /// meanwhile) and an open session for its next tree, before it is ended with

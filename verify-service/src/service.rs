@@ -479,16 +479,19 @@ impl Verifier for VerifierService {
             )));
         }
         let repeats = req.repeats.clamp(1, limits::MAX_PROFILE_REPEATS) as usize;
-        let _slot = admit(&self.state)?;
+        let slot = admit(&self.state)?;
         let model = s.model.clone();
         let sizes = req.tree_sizes.clone();
         // The work stops between forwards once the caller goes away (this future is dropped)
-        // or the deadline passes, so a Profile never outlives its slot by more than one forward.
+        // or the deadline passes, so a cancelled Profile ends within one forward.
         let cancelled = Arc::new(AtomicBool::new(false));
         let _cancel = CancelOnDrop(cancelled.clone());
         let budget = secs(s.config.profile_timeout_secs);
         let deadline = Instant::now() + budget;
+        // The slot goes with the work, not with this future: it is freed when the forwards
+        // have actually stopped, so a cancelled Profile is counted until its CPU is free.
         let times = blocking(move || {
+            let _slot = slot;
             let go_on = || !cancelled.load(Ordering::Relaxed) && Instant::now() < deadline;
             sequoia_engine::profiling::measure_verify_while(&model, &sizes, ctx, repeats, &go_on)
         })

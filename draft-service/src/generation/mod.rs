@@ -65,7 +65,7 @@ pub fn spawn_with_id(state: Arc<DraftState>, prep: Prepared, slot: Permit, id: S
             let _slot = slot;
             // A panic must still end the client's stream with an error, never with a plain end
             // of stream that looks like success without a summary.
-            let run = std::panic::AssertUnwindSafe(run(state, prep, &tx));
+            let run = std::panic::AssertUnwindSafe(run(state.clone(), prep, &tx));
             let status = match run.catch_unwind().await {
                 Ok(Ok(())) => return,
                 Ok(Err(status)) => status,
@@ -75,9 +75,7 @@ pub fn spawn_with_id(state: Arc<DraftState>, prep: Prepared, slot: Permit, id: S
                 )),
             };
             tracing::warn!(request_id = %id, code = ?status.code(), detail = ?status.message(), "generation failed");
-            let _ = tx
-                .send(Err(errors::public_status(&status, &id)))
-                .await;
+            send_to_client(&state, &tx, Err(errors::public_status(&status, &id))).await;
         }
         .instrument(span),
     );
@@ -167,14 +165,40 @@ async fn generate(
         })
         .await;
     }
-    let _ = tx
-        .send(Ok(GenerateChunk {
+    send_to_client(
+        state,
+        tx,
+        Ok(GenerateChunk {
             text: tail,
             token_ids: vec![],
             summary: Some(summary),
-        }))
-        .await;
+        }),
+    )
+    .await;
     Ok(())
+}
+
+/// Hand one item to the client's stream, waiting at most `send_timeout_secs` for room. A client
+/// that stops reading fills its HTTP/2 window and then this buffer; without a deadline the
+/// generation would hold its slot and its verify session for as long as the connection lives.
+/// false: the client is gone or too slow, and the generation ends (freeing both).
+async fn send_to_client(
+    state: &DraftState,
+    tx: &ChunkTx,
+    item: Result<GenerateChunk, Status>,
+) -> bool {
+    let limit = sequoia_server::process::secs(state.config.send_timeout_secs);
+    match tx.send_timeout(item, limit).await {
+        Ok(()) => true,
+        Err(mpsc::error::SendTimeoutError::Timeout(_)) => {
+            tracing::warn!(
+                send_timeout_secs = state.config.send_timeout_secs,
+                "the client stopped reading its stream; ending the generation"
+            );
+            false
+        }
+        Err(mpsc::error::SendTimeoutError::Closed(_)) => false,
+    }
 }
 
 /// The state of one generation between steps.
@@ -652,7 +676,7 @@ impl<'a> Generation<'a> {
                 token_ids: chunk_ids,
                 summary: None,
             };
-            if tx.send(Ok(chunk)).await.is_err() {
+            if !send_to_client(self.state, tx, Ok(chunk)).await {
                 return Ok(Delivered::ClientGone);
             }
         }

@@ -181,14 +181,14 @@ impl ApiError {
                 e
             }
             Code::ResourceExhausted | Code::Unavailable | Code::DeadlineExceeded => {
-                tracing::warn!(request = id, code = ?s.code(), message = s.message(), "generation refused");
+                tracing::warn!(request_id = id, code = ?s.code(), detail = ?s.message(), "generation refused");
                 Self::unavailable(
                     "no_verify_node",
                     "no verify node can take this generation right now; retry shortly",
                 )
             }
             _ => {
-                tracing::warn!(request = id, code = ?s.code(), message = s.message(), "generation failed");
+                tracing::warn!(request_id = id, code = ?s.code(), detail = ?s.message(), "generation failed");
                 Self::internal(id)
             }
         }

@@ -114,7 +114,12 @@ pub async fn serve_grpc(
         .tcp_nodelay(true)
         .tcp_keepalive(keepalive)
         .http2_keepalive_interval(keepalive)
-        .http2_keepalive_timeout(Some(limits.keepalive_timeout))
+        // A PING must be answered before the next one is due: with a short interval a dead or
+        // half-open peer is found in about two intervals instead of after the fixed timeout.
+        .http2_keepalive_timeout(Some(match keepalive {
+            Some(every) => limits.keepalive_timeout.min(every),
+            None => limits.keepalive_timeout,
+        }))
         .max_concurrent_streams(streams)
         .add_routes(routes)
         .serve_with_incoming_shutdown(
