@@ -48,9 +48,10 @@ impl Verifier for HostileText {
                             ..Default::default()
                         })),
                     }),
-                    Some(pb::session_request::Msg::Tree(_)) => {
-                        Err(Status::unavailable(evil("peer error")))
-                    }
+                    // A tree, or a decode where the planner falls back to one: both fail.
+                    Some(
+                        pb::session_request::Msg::Tree(_) | pb::session_request::Msg::Decode(_),
+                    ) => Err(Status::unavailable(evil("peer error"))),
                     None => return,
                 };
                 let end = reply.is_err();
