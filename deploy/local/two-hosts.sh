@@ -248,6 +248,18 @@ SETUP=(--draft-addr http://127.0.0.1:50051 --target-addr "http://$VERIFY_IP:5006
     --draft-cpus "$DRAFT_CPU" --verify-cpus "$VERIFY_CPU"
     --draft-threads "$DRAFT_THREADS" --verify-threads "$VERIFY_THREADS")
 LABEL="two hosts (network namespaces; draft CPUs $DRAFT_CPU, $DRAFT_THREADS threads; verify CPUs $VERIFY_CPU, $VERIFY_THREADS threads), RTT +${RTT} ms, bandwidth $BW_TEXT ($MODE)"
+# A --label given to the bench describes the run; the setup above is appended to it, so the
+# bench gets one --label (it refuses two).
+REST=()
+for ((i = 0; i < ${#BENCH_ARGS[@]}; i++)); do
+    if [ "${BENCH_ARGS[$i]}" = --label ] && [ $((i + 1)) -lt ${#BENCH_ARGS[@]} ]; then
+        LABEL="${BENCH_ARGS[$((i + 1))]}; $LABEL"
+        i=$((i + 1))
+    else
+        REST+=("${BENCH_ARGS[$i]}")
+    fi
+done
+BENCH_ARGS=("${REST[@]}")
 cd "$ROOT" # relative paths in BENCH ARGS (e.g. --prompts) are relative to the repository
 if [ "$MODE_CMD" = demo ]; then
     log "running the demo"

@@ -38,6 +38,9 @@ struct Acc {
     /// Sum and count of the planner's predicted speedups (runs that report one).
     predicted_sum: f64,
     predicted_runs: usize,
+    /// Sums over the same runs of the predicted tokens per step and step time.
+    predicted_tokens_sum: f64,
+    predicted_step_sum: f64,
     pipelined: bool,
     pipeline_hits: u64,
     pipeline_misses: u64,
@@ -57,6 +60,8 @@ impl Acc {
         if r.predicted_speedup > 0.0 {
             self.predicted_sum += r.predicted_speedup;
             self.predicted_runs += 1;
+            self.predicted_tokens_sum += r.predicted_tokens_per_step;
+            self.predicted_step_sum += r.predicted_step_ms;
         }
         self.pipelined |= r.pipeline;
         self.pipeline_hits += r.pipeline_hits as u64;
@@ -86,7 +91,12 @@ pub struct Cell {
     /// The auto planner's predicted speedup (over plain target decoding on the verify node),
     /// averaged over the runs that report one; None for forced trees.
     pub predicted_speedup: Option<f64>,
+    /// The tokens per step and step time (ms) behind that prediction, averaged the same way.
+    pub predicted_tokens_per_step: Option<f64>,
+    pub predicted_step_ms: Option<f64>,
     pub tokens_per_step: f64,
+    /// Decode time per step (ms), measured.
+    pub step_ms: f64,
     /// Mean tree nodes (root included) per generation.
     pub mean_nodes: f64,
     /// p_r = accepted at rank r / trials at rank r, r = 1, 2, ...
@@ -151,7 +161,17 @@ impl Cell {
             speedup: None,
             predicted_speedup: (a.predicted_runs > 0)
                 .then(|| a.predicted_sum / a.predicted_runs as f64),
+            // Results written before these fields existed read as 0: no figure then.
+            predicted_tokens_per_step: (a.predicted_runs > 0 && a.predicted_tokens_sum > 0.0)
+                .then(|| a.predicted_tokens_sum / a.predicted_runs as f64),
+            predicted_step_ms: (a.predicted_runs > 0 && a.predicted_step_sum > 0.0)
+                .then(|| a.predicted_step_sum / a.predicted_runs as f64),
             tokens_per_step: rate(a.tokens, a.steps),
+            step_ms: if a.steps > 0 {
+                a.decode_ms / a.steps as f64
+            } else {
+                0.0
+            },
             mean_nodes: if a.prompts > 0 {
                 a.nodes / a.prompts as f64
             } else {
@@ -491,7 +511,7 @@ pub fn markdown(rep: &Report) -> String {
         let _ = writeln!(s, "\n### Per method, all categories pooled\n");
         let _ = write!(
             s,
-            "| method | nodes | tok/s | speedup | predicted | tokens/step |"
+            "| method | nodes | tok/s | speedup | predicted | tokens/step (predicted) | step ms (predicted) |"
         );
         for r in 1..=SHOWN_RANKS {
             let _ = write!(s, " p{r} |");
@@ -502,7 +522,7 @@ pub fn markdown(rep: &Report) -> String {
              pipeline hits/misses | pipeline wasted ms | setup |",
             if t == 0.0 { " greedy = target |" } else { "" }
         );
-        let _ = write!(s, "|---|---:|---:|---:|---:|---:|");
+        let _ = write!(s, "|---|---:|---:|---:|---:|---:|---:|");
         for _ in 1..=SHOWN_RANKS {
             let _ = write!(s, "---:|");
         }
@@ -517,13 +537,18 @@ pub fn markdown(rep: &Report) -> String {
             };
             let _ = write!(
                 s,
-                "| {m} | {:.1} | {:.2} | {} | {} | {:.2} |",
+                "| {m} | {:.1} | {:.2} | {} | {} | {:.2}{} | {:.1}{} |",
                 c.mean_nodes,
                 c.tokens_per_second,
                 c.speedup.map_or("–".into(), |x| format!("{x:.2}×")),
                 c.predicted_speedup
                     .map_or("–".into(), |x| format!("{x:.2}×")),
-                c.tokens_per_step
+                c.tokens_per_step,
+                c.predicted_tokens_per_step
+                    .map_or(String::new(), |x| format!(" ({x:.2})")),
+                c.step_ms,
+                c.predicted_step_ms
+                    .map_or(String::new(), |x| format!(" ({x:.1})")),
             );
             for r in 0..SHOWN_RANKS {
                 let _ = write!(
@@ -764,7 +789,7 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains("| chain:2 | 5.0 | 12.00 | 1.20× | – | 2.00 | 0.750 | 0.250 | – | – |"),
+            md.contains("| chain:2 | 5.0 | 12.00 | 1.20× | – | 2.00 | 166.7 | 0.750 | 0.250 | – | – |"),
             "{md}"
         );
         assert!(md.contains("| 2/2 |"), "{md}");
@@ -799,6 +824,8 @@ mod tests {
             recs.push(run(q, "qa", "target", 0.0, 10, 1000.0));
             if let Record::Run(mut r) = run(q, "qa", "auto+pipe", 0.0, 10, 500.0) {
                 r.predicted_speedup = predicted;
+                r.predicted_tokens_per_step = predicted + 1.0;
+                r.predicted_step_ms = 10.0 * predicted;
                 r.pipeline = true;
                 r.pipeline_hits = hits;
                 r.pipeline_misses = misses;
@@ -810,6 +837,12 @@ mod tests {
         let rep = build(&methods, &recs);
         let c = rep.cell(0.0, "auto+pipe", OVERALL).unwrap();
         assert!((c.predicted_speedup.unwrap() - 2.5).abs() < 1e-12);
+        // What the prediction rested on, next to what was measured: 10 tokens in 5 steps of
+        // 500 ms of decode per run.
+        assert!((c.predicted_tokens_per_step.unwrap() - 3.5).abs() < 1e-12);
+        assert!((c.predicted_step_ms.unwrap() - 25.0).abs() < 1e-12);
+        assert!((c.tokens_per_step - 2.0).abs() < 1e-12);
+        assert!((c.step_ms - 100.0).abs() < 1e-12);
         assert_eq!((c.pipeline_hits, c.pipeline_misses), (Some(8), Some(1)));
         assert!((c.pipeline_wasted_ms.unwrap() - 3.0).abs() < 1e-12);
         assert_eq!(c.verify_cpus.as_deref(), Some("1-2"));

@@ -79,6 +79,12 @@ pub struct RunRecord {
     pub plan_mode: String,
     /// Auto mode: the planner's predicted speedup.
     pub predicted_speedup: f64,
+    /// Auto mode: the tokens per step and step time (ms) behind that prediction, so the report
+    /// can say which half of it missed.
+    #[serde(default)]
+    pub predicted_tokens_per_step: f64,
+    #[serde(default)]
+    pub predicted_step_ms: f64,
     pub prompt_tokens: u32,
     pub generated_tokens: u32,
     pub steps: u32,

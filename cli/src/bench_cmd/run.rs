@@ -34,6 +34,8 @@ pub(super) async fn generate(
                 rec.levels = p.levels;
                 rec.plan_mode = p.mode;
                 rec.predicted_speedup = p.predicted_speedup;
+                rec.predicted_tokens_per_step = p.expected_tokens_per_step;
+                rec.predicted_step_ms = p.predicted_step_ms;
             }
         }
     }
