@@ -780,9 +780,12 @@ pub(crate) trait Format: Send + Sync + 'static {
     const MAIN: usize;
     /// Bytes of float scales per (group, block).
     const AUX: usize;
-    /// Up to this many input rows, no software prefetch: the kernel reads the group's lines in
-    /// address order slowly enough that the hardware prefetcher alone keeps up, and the
-    /// prefetches only cost (Q4_K at one row, measured on 8960 × 1536 from DRAM).
+    /// Up to this many input rows, no software prefetch on AMD CPUs: the kernel reads the
+    /// group's lines in address order slowly enough that Zen's hardware prefetcher alone keeps
+    /// up, and the prefetches only cost (Q4_K at one row, measured on 8960 × 1536 from DRAM on
+    /// Zen 4). Intel's L2 streamer stops at every 4 KiB page, so there the prefetch pays at
+    /// every row count (decode of the 1.5B target 12–13 → 15–16 tokens/s on a Xeon, family 6
+    /// model 207, alternated runs). See [`pf_dist`].
     const PF_OFF_MAX_M: usize = 0;
     fn decode(raw: &Self::Raw) -> ColBlock;
     /// Write column `col`'s block into a zeroed (group, block) slot.
@@ -1599,8 +1602,8 @@ impl Drop for WeightBuf {
 
 /// Software prefetch distance (bytes) when a group streams from memory for `m` rows of format
 /// `F`: 8192 (into L2; the best of 0 / 4096 / 8192 at 1..16 rows on 8960 × 1536 from DRAM), none
-/// up to [`Format::PF_OFF_MAX_M`] rows; `SEQUOIA_KERNEL_PF` overrides both (0 turns it off;
-/// read once).
+/// up to [`Format::PF_OFF_MAX_M`] rows on AMD CPUs; `SEQUOIA_KERNEL_PF` overrides both (0 turns
+/// it off; read once).
 fn pf_dist<F: Format>(m: usize) -> usize {
     use std::sync::OnceLock;
     static D: OnceLock<Option<usize>> = OnceLock::new();
@@ -1609,7 +1612,31 @@ fn pf_dist<F: Format>(m: usize) -> usize {
             .ok()
             .and_then(|v| v.parse().ok())
     });
-    env.unwrap_or(if m <= F::PF_OFF_MAX_M { 0 } else { 8192 })
+    env.unwrap_or(if m <= F::PF_OFF_MAX_M && cpu_is_amd() {
+        0
+    } else {
+        8192
+    })
+}
+
+/// Whether the CPU's vendor string is AMD's (read once).
+fn cpu_is_amd() -> bool {
+    use std::sync::OnceLock;
+    static AMD: OnceLock<bool> = OnceLock::new();
+    *AMD.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+            let r = unsafe { std::arch::x86_64::__cpuid(0) };
+            let mut v = [0u8; 12];
+            v[..4].copy_from_slice(&r.ebx.to_le_bytes());
+            v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+            v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+            &v == b"AuthenticAMD"
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
 }
 
 /// Prefetch the line at address `p` into L2 if it lies before `end`. (Into L1, `T0`, the
