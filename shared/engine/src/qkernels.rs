@@ -1626,8 +1626,8 @@ fn cpu_is_amd() -> bool {
     *AMD.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            // CPUID leaf 0 (the vendor string) exists on every x86-64 CPU.
-            let r = std::arch::x86_64::__cpuid(0);
+            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+            let r = unsafe { std::arch::x86_64::__cpuid(0) };
             let mut v = [0u8; 12];
             v[..4].copy_from_slice(&r.ebx.to_le_bytes());
             v[4..8].copy_from_slice(&r.edx.to_le_bytes());
