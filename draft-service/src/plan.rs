@@ -90,7 +90,12 @@ impl ActivePlan {
             parents: t.parents().to_vec(),
             nodes: t.len() as u32,
             levels: t.levels() as u32,
-            expected_tokens_per_step: self.expected_tokens(),
+            // A decode plan's step is one decode of K tokens: its prediction says so, where
+            // the tree (the root alone) would say 1.
+            expected_tokens_per_step: match (&self.prediction, self.decode_tokens) {
+                (Some(p), Some(_)) => p.expected_tokens,
+                _ => self.expected_tokens(),
+            },
             mode: self.mode.as_str().into(),
             predicted_speedup: self.prediction.as_ref().map_or(0.0, |p| p.speedup),
             predicted_step_ms: self.prediction.as_ref().map_or(0.0, |p| p.step_ms),
@@ -471,6 +476,8 @@ mod tests {
         assert!((9..=32).contains(&k), "k = {k}");
         let pred = plan.prediction.as_ref().unwrap();
         assert!(pred.speedup > 0.85 && pred.speedup < 1.0, "{pred:?}");
+        // The summary's plan states a decode's K tokens per step, not the root's one.
+        assert_eq!(plan.to_proto(0).expected_tokens_per_step, k as f64);
         // An old node: root-only trees, priced at a round trip per token.
         let old = planner.plan(Some(&costs), true, None, 1.0, false).unwrap();
         assert_eq!((old.full_size(), old.decode_tokens), (1, None));
