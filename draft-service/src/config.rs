@@ -181,7 +181,7 @@ impl Default for FallbackConfig {
         Self {
             enabled: true,
             max_tokens: 32,
-            rtt_share: 0.1,
+            rtt_share: 0.03,
             tokens_per_message: 1,
         }
     }

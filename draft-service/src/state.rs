@@ -120,7 +120,7 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
     }
     if !(fb.rtt_share > 0.0 && fb.rtt_share < 1.0) {
         anyhow::bail!(
-            "fallback.rtt_share must be between 0 and 1 (e.g. 0.1), got {}",
+            "fallback.rtt_share must be between 0 and 1 (e.g. 0.03), got {}",
             fb.rtt_share
         );
     }
