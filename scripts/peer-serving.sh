@@ -202,25 +202,8 @@ BIN_DIR=$(cd "$BIN_DIR" && pwd)
 LLAMA_VERSION=$("$BIN_DIR/${TOOLS[0]}" --version 2>&1 | sed -n 's/^version: *//p' | head -1 || true)
 [[ -n $LLAMA_VERSION ]] || LLAMA_VERSION=unknown
 
-# Same names and folder as scripts/peer-llamacpp.sh (and the sequoia CLI's default names).
-resolve_model() {
-    local m=$1 file
-    if [[ -f $m ]]; then
-        (cd "$(dirname "$m")" && echo "$(pwd)/$(basename "$m")")
-        return
-    fi
-    case $m in
-    qwen2.5-coder-1.5b) file=qwen2.5-coder-1.5b-instruct-q4_k_m.gguf ;;
-    qwen2.5-coder-0.5b) file=qwen2.5-coder-0.5b-instruct-q4_k_m.gguf ;;
-    smollm2-135m) file=SmolLM2-135M-Instruct.Q4_1.gguf ;;
-    */* | *.gguf) file=$m ;;
-    *) die "unknown model '$m': give a .gguf path or one of qwen2.5-coder-1.5b qwen2.5-coder-0.5b smollm2-135m" ;;
-    esac
-    [[ $file == */* ]] && die "model file $file does not exist"
-    [[ -f $MODELS_DIR/$file ]] ||
-        die "model $m is not in $MODELS_DIR ($file missing): run $REPO_ROOT/scripts/fetch-models.sh $m"
-    echo "$MODELS_DIR/$file"
-}
+# shellcheck source=lib/models.sh
+source "$REPO_ROOT/scripts/lib/models.sh"
 TARGET_PATH=$(resolve_model "$TARGET")
 log "target: $TARGET_PATH"
 DRAFT_PATH=
