@@ -28,7 +28,7 @@
 #   IK_LLAMA_SRC        ik_llama.cpp source checkout; when set it is built (native only) and its
 #                       llama-bench runs with -rtr 1 (run-time repacking)
 #   LLAMA_CPP_PYTHON_VERSION  the llama-cpp-python sdist whose vendor/llama.cpp is built
-#                       (default: pinned below)
+#                       (default: pinned in scripts/lib/peer-common.sh)
 #   PEER_JOBS           parallel compile jobs (default: 2); builds always run under nice -n 19
 #
 # Where llama.cpp comes from: only package registries are reachable from the build machines, and
@@ -68,13 +68,9 @@
 #   shape barely moves t(n). --tree chain gives the strict like-for-like mask.
 set -euo pipefail
 
-PINNED_LLAMA_CPP_PYTHON=0.3.36
-LCP_VERSION=${LLAMA_CPP_PYTHON_VERSION:-$PINNED_LLAMA_CPP_PYTHON}
-
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO_ROOT=$(cd "$SCRIPT_DIR/.." && pwd)
-PEER_DIR=${SEQUOIA_PEER_DIR:-$HOME/.cache/sequoia/peer}
-MODELS_DIR=${SEQUOIA_MODELS:-$HOME/.cache/sequoia/models}
+# shellcheck source=lib/peer-common.sh
+source "$SCRIPT_DIR/lib/peer-common.sh"
 SEQUOIA_BIN=${SEQUOIA_BIN:-$REPO_ROOT/target/release/sequoia}
 JOBS=${PEER_JOBS:-2}
 
@@ -356,8 +352,6 @@ if [[ $ONLY_BUILD == 1 ]]; then
 fi
 
 # ---------------------------------------------------------------- model and our binary
-# shellcheck source=lib/models.sh
-source "$REPO_ROOT/scripts/lib/models.sh"
 MODEL_PATH=$(resolve_model "$MODEL")
 log "model: $MODEL_PATH"
 if [[ $RUN_SEQUOIA == 1 ]]; then

@@ -92,13 +92,9 @@
 #                    time / tokens), p50/p99 over the N requests (our p50/p99 are over steps).
 set -euo pipefail
 
-PINNED_LLAMA_CPP_PYTHON=0.3.36
-LCP_VERSION=${LLAMA_CPP_PYTHON_VERSION:-$PINNED_LLAMA_CPP_PYTHON}
-
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO_ROOT=$(cd "$SCRIPT_DIR/.." && pwd)
-PEER_DIR=${SEQUOIA_PEER_DIR:-$HOME/.cache/sequoia/peer}
-MODELS_DIR=${SEQUOIA_MODELS:-$HOME/.cache/sequoia/models}
+# shellcheck source=lib/peer-common.sh
+source "$SCRIPT_DIR/lib/peer-common.sh"
 
 log() { echo "peer-serving: $*" >&2; }
 die() {
@@ -202,8 +198,6 @@ BIN_DIR=$(cd "$BIN_DIR" && pwd)
 LLAMA_VERSION=$("$BIN_DIR/${TOOLS[0]}" --version 2>&1 | sed -n 's/^version: *//p' | head -1 || true)
 [[ -n $LLAMA_VERSION ]] || LLAMA_VERSION=unknown
 
-# shellcheck source=lib/models.sh
-source "$REPO_ROOT/scripts/lib/models.sh"
 TARGET_PATH=$(resolve_model "$TARGET")
 log "target: $TARGET_PATH"
 DRAFT_PATH=

@@ -1,5 +1,12 @@
-# Sourced by the peer scripts: resolve a model name to a GGUF path.
-# Needs: MODELS_DIR, REPO_ROOT and a `die MESSAGE` function in the sourcing script.
+# Sourced by the peer scripts (peer-llamacpp.sh, peer-serving.sh): the llama.cpp version they
+# build and run, the folders they share, and model names. resolve_model needs a `die MESSAGE`
+# function in the sourcing script.
+
+PINNED_LLAMA_CPP_PYTHON=0.3.36
+LCP_VERSION=${LLAMA_CPP_PYTHON_VERSION:-$PINNED_LLAMA_CPP_PYTHON}
+REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PEER_DIR=${SEQUOIA_PEER_DIR:-$HOME/.cache/sequoia/peer}
+MODELS_DIR=${SEQUOIA_MODELS:-$HOME/.cache/sequoia/models}
 
 # resolve_model NAME|PATH: a .gguf path as given (made absolute), or a default model name
 # (the names the sequoia CLI knows) or a file name in $MODELS_DIR, as a path there.
