@@ -81,7 +81,9 @@ impl PrefixStore {
         })
     }
 
-    /// Keep `cache`, whose entries hold the first `cache.len()` of `tokens`. Its spare storage
+    /// Keep `cache`, whose entries hold the first `min(cache.len(), tokens.len())` of `tokens`:
+    /// entries past the tokens (a verified path that `max_tokens` or a stop string cut short
+    /// leaves some in the draft's cache) were never committed and are dropped. Its spare storage
     /// is given back first. An entry whose tokens are a prefix of another's is redundant and
     /// is dropped. Least recently used entries are evicted until the store fits `max_bytes`
     /// and `room` more bytes would not pass it (the caller's own budget, e.g. the verify
@@ -92,13 +94,7 @@ impl PrefixStore {
         mut cache: KvCache,
         room: usize,
     ) -> Result<(), EngineError> {
-        if tokens.len() < cache.len() {
-            return Err(EngineError::InvalidInput(format!(
-                "prefix store: {} tokens for a cache of {} entries",
-                tokens.len(),
-                cache.len()
-            )));
-        }
+        cache.truncate(tokens.len());
         tokens.truncate(cache.len());
         if tokens.is_empty() || self.max_bytes == 0 {
             return Ok(());

@@ -148,6 +148,14 @@ fn the_store_hands_out_the_longest_match_and_evicts_least_recently_used() {
     assert_eq!(store.len(), 1);
     assert!(store.take(&q, 1).is_none(), "c shares nothing with q");
     assert!(store.take(&c[..8], 9).is_none(), "below min_tokens");
+    // A cache holding more than the committed tokens (a verified path cut short by
+    // max_tokens) is kept for the tokens only.
+    let d = tokens(16, 12, vocab);
+    store.put(d[..13].to_vec(), filled(&d), usize::MAX).unwrap();
+    let mut q = d[..13].to_vec();
+    q.push(d[0]);
+    let hit = store.take(&q, 1).unwrap();
+    assert_eq!((hit.reused, hit.cache.len()), (13, 13));
     // Room smaller than the cache: not kept.
     store.put(a.clone(), filled(&a), 5 * per).unwrap();
     assert_eq!(store.len(), 1);
