@@ -1626,7 +1626,9 @@ fn cpu_is_amd() -> bool {
     *AMD.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU.
+            // SAFETY: CPUID leaf 0 (the vendor string) exists on every x86-64 CPU. (A safe
+            // function since Rust 1.87; `unsafe` keeps the crate's rust-version building.)
+            #[allow(unused_unsafe)]
             let r = unsafe { std::arch::x86_64::__cpuid(0) };
             let mut v = [0u8; 12];
             v[..4].copy_from_slice(&r.ebx.to_le_bytes());
