@@ -742,18 +742,28 @@ fn dockerfile_matches_the_manifests() {
     }
     assert!(text.contains("COPY scripts/fetch-models.sh /usr/local/bin/fetch-models.sh"));
     assert!(text.contains("USER 10001"));
-    let v: VerifyConfig = sequoia_server::config::load(
-        &VerifyConfig::default(),
-        Some(&repo().join("deploy/config/verify-service.toml")),
-        &serde_json::json!({}),
-    )
-    .unwrap();
-    let d: DraftConfig = sequoia_server::config::load(
-        &DraftConfig::default(),
-        Some(&repo().join("deploy/config/draft-service.toml")),
-        &serde_json::json!({}),
-    )
-    .unwrap();
+    // Inside a Jail with no SEQUOIA_* variables: the other tests here set a container's
+    // variables in the process environment (in their own Jail) while this one runs, and the
+    // loader reads them.
+    let mut loaded = None;
+    figment::Jail::expect_with(|jail| {
+        jail.clear_env();
+        let v: VerifyConfig = sequoia_server::config::load(
+            &VerifyConfig::default(),
+            Some(&repo().join("deploy/config/verify-service.toml")),
+            &serde_json::json!({}),
+        )
+        .unwrap();
+        let d: DraftConfig = sequoia_server::config::load(
+            &DraftConfig::default(),
+            Some(&repo().join("deploy/config/draft-service.toml")),
+            &serde_json::json!({}),
+        )
+        .unwrap();
+        loaded = Some((v, d));
+        Ok(())
+    });
+    let (v, d) = loaded.unwrap();
     let expose = text.lines().find(|l| l.starts_with("EXPOSE")).unwrap();
     for addr in [&v.listen, &v.metrics_listen, &d.listen, &d.metrics_listen] {
         assert!(expose.contains(&port_of(addr).to_string()), "EXPOSE {addr}");
