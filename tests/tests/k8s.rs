@@ -251,6 +251,32 @@ fn load_config<C: Serialize + DeserializeOwned + Default>(
     out.unwrap()
 }
 
+/// The example configs (deploy/config), loaded as the services load them but inside a Jail with
+/// no SEQUOIA_* variables: other tests here set a container's variables in the process
+/// environment (in their own Jail, so one at a time) while these run, and the loader reads them.
+#[allow(clippy::result_large_err)] // figment::Jail's closure type
+fn example_configs() -> (VerifyConfig, DraftConfig) {
+    let mut loaded = None;
+    figment::Jail::expect_with(|jail| {
+        jail.clear_env();
+        let v: VerifyConfig = sequoia_server::config::load(
+            &VerifyConfig::default(),
+            Some(&repo().join("deploy/config/verify-service.toml")),
+            &serde_json::json!({}),
+        )
+        .unwrap();
+        let d: DraftConfig = sequoia_server::config::load(
+            &DraftConfig::default(),
+            Some(&repo().join("deploy/config/draft-service.toml")),
+            &serde_json::json!({}),
+        )
+        .unwrap();
+        loaded = Some((v, d));
+        Ok(())
+    });
+    loaded.unwrap()
+}
+
 fn volume<'a>(d: &'a Deployment, name: &str) -> &'a k8s_openapi::api::core::v1::Volume {
     pod(d)
         .volumes
@@ -742,28 +768,7 @@ fn dockerfile_matches_the_manifests() {
     }
     assert!(text.contains("COPY scripts/fetch-models.sh /usr/local/bin/fetch-models.sh"));
     assert!(text.contains("USER 10001"));
-    // Inside a Jail with no SEQUOIA_* variables: the other tests here set a container's
-    // variables in the process environment (in their own Jail) while this one runs, and the
-    // loader reads them.
-    let mut loaded = None;
-    figment::Jail::expect_with(|jail| {
-        jail.clear_env();
-        let v: VerifyConfig = sequoia_server::config::load(
-            &VerifyConfig::default(),
-            Some(&repo().join("deploy/config/verify-service.toml")),
-            &serde_json::json!({}),
-        )
-        .unwrap();
-        let d: DraftConfig = sequoia_server::config::load(
-            &DraftConfig::default(),
-            Some(&repo().join("deploy/config/draft-service.toml")),
-            &serde_json::json!({}),
-        )
-        .unwrap();
-        loaded = Some((v, d));
-        Ok(())
-    });
-    let (v, d) = loaded.unwrap();
+    let (v, d) = example_configs();
     let expose = text.lines().find(|l| l.starts_with("EXPOSE")).unwrap();
     for addr in [&v.listen, &v.metrics_listen, &d.listen, &d.metrics_listen] {
         assert!(expose.contains(&port_of(addr).to_string()), "EXPOSE {addr}");
@@ -787,18 +792,7 @@ fn probes_and_metrics_bind_to_loopback_unless_configured() {
             "{what} = {addr:?} is reachable from other hosts"
         );
     }
-    let v: VerifyConfig = sequoia_server::config::load(
-        &VerifyConfig::default(),
-        Some(&repo().join("deploy/config/verify-service.toml")),
-        &serde_json::json!({}),
-    )
-    .unwrap();
-    let d: DraftConfig = sequoia_server::config::load(
-        &DraftConfig::default(),
-        Some(&repo().join("deploy/config/draft-service.toml")),
-        &serde_json::json!({}),
-    )
-    .unwrap();
+    let (v, d) = example_configs();
     let (vd, dd) = (VerifyConfig::default(), DraftConfig::default());
     for (what, addr) in [
         ("verify-service.toml health_listen", &v.health_listen),
