@@ -128,19 +128,15 @@ impl DraftSession {
         seed: u64,
         wire_top_k: usize,
     ) -> Result<Self, EngineError> {
-        let mut cache = model.new_cache();
-        if !prefix.is_empty() {
-            model.forward_chain(&mut cache, prefix)?;
-        }
-        Ok(Self {
-            cache,
-            pending: Vec::new(),
-            seed,
+        Self::resume(
+            model,
+            model.new_cache(),
+            0,
+            prefix,
             params,
+            seed,
             wire_top_k,
-            head_vocab: model.info().vocab_size,
-            ready: None,
-        })
+        )
     }
 
     /// [`new`](Self::new) from a kept cache whose first `reused` entries hold `prefix[..reused]`
