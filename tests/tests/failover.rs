@@ -212,7 +212,10 @@ fn a_decode_moves_to_another_node_when_its_node_dies() {
         .collect();
     let urls: Vec<String> = nodes.iter().map(VerifyProcess::url).collect();
     let mut cfg = draft_config(&pair.draft, &urls, 1, 1);
-    cfg.fallback.max_tokens = 64;
+    // A few tokens per message: the tiny model decodes hundreds of tokens in a few
+    // milliseconds, so with large messages the whole generation could be on the wire before the
+    // kill below lands (CI saw that once); 150 round trips keep it running.
+    cfg.fallback.max_tokens = 4;
     let draft = start_draft(cfg);
     let prompts = &PROMPTS[..2];
     let want: Vec<Vec<u32>> = prompts
