@@ -236,32 +236,29 @@ impl ActBlock for Act32 {
     }
 }
 
-/// Quantize the `m` rows of `x` (`m × k`): `k / A::BLOCK` blocks per row, row-major.
+/// Quantize the `m` rows of `x` (`m × k`): `k / A::BLOCK` blocks per row, stored block-major
+/// (block `b` of row `r` at `b · m + r`). A kernel tile then finds block `b` of all its rows at
+/// constant offsets from one address, so its broadcasts need no per-row address arithmetic
+/// (with rows one after the other, the compiler spent a `lea` and an indexed operand per row and
+/// k-group).
 pub(crate) fn quantize_rows<A: ActBlock>(x: &[f32], m: usize, k: usize) -> Vec<A> {
     use rayon::prelude::*;
     assert_eq!(x.len(), m * k, "matmul input size");
     assert!(k.is_multiple_of(A::BLOCK));
     let kb = k / A::BLOCK;
-    let mut out: Vec<A> = Vec::with_capacity(m * kb);
-    let fill = |o: &mut Vec<A>, xr: &[f32]| o.extend(xr.chunks_exact(A::BLOCK).map(A::quantize));
-    if m >= 8 {
-        let rows: Vec<Vec<A>> = x
-            .par_chunks(k)
-            .map(|xr| {
-                let mut v = Vec::with_capacity(kb);
-                fill(&mut v, xr);
-                v
-            })
-            .collect();
-        for r in rows {
-            out.extend(r);
-        }
+    let quantize_row =
+        |xr: &[f32]| -> Vec<A> { xr.chunks_exact(A::BLOCK).map(A::quantize).collect() };
+    let rows: Vec<Vec<A>> = if m >= 8 {
+        x.par_chunks(k).map(quantize_row).collect()
     } else {
-        for xr in x.chunks_exact(k) {
-            fill(&mut out, xr);
-        }
+        x.chunks_exact(k).map(quantize_row).collect()
+    };
+    if m == 1 {
+        return rows.into_iter().next().unwrap_or_default();
     }
-    out
+    (0..kb)
+        .flat_map(|b| rows.iter().map(move |r| r[b]))
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1707,7 +1704,8 @@ impl Drop for WeightBuf {
 }
 
 /// Software prefetch distance (bytes) when a group streams from memory for `m` rows of format
-/// `F`: 8192 (into L2; the best of 0 / 4096 / 8192 at 1..16 rows on 8960 × 1536 from DRAM), none
+/// `F`: 16384 (into L2; on 8960 × 1536 from DRAM, one thread, Xeon family 6 model 207: 5–7 %
+/// faster than 8192 at 4 and 8 rows and level at one, no better at 32768 or 65536), none
 /// up to [`Format::PF_OFF_MAX_M`] rows on AMD CPUs; `SEQUOIA_KERNEL_PF` overrides both (0 turns
 /// it off; read once).
 fn pf_dist<F: Format>(m: usize) -> usize {
@@ -1721,7 +1719,7 @@ fn pf_dist<F: Format>(m: usize) -> usize {
     env.unwrap_or(if m <= F::PF_OFF_MAX_M && cpu_is_amd() {
         0
     } else {
-        8192
+        16384
     })
 }
 
@@ -1891,7 +1889,7 @@ impl<F: Format> Packed<F> {
                         macro_rules! go {
                             ($($n:literal)*) => {
                                 match rows {
-                                    $($n => unsafe { self.tile::<S, $n>(acts, t0, gi, half, out, pf) },)*
+                                    $($n => unsafe { self.tile::<S, $n>(acts, m, t0, gi, half, out, pf) },)*
                                     _ => unreachable!(),
                                 }
                             };
@@ -1911,6 +1909,7 @@ impl<F: Format> Packed<F> {
     unsafe fn tile<S: Simd, const R: usize>(
         &self,
         acts: &[F::Act],
+        m: usize,
         t0: usize,
         gi: usize,
         half: usize,
@@ -1925,8 +1924,7 @@ impl<F: Format> Packed<F> {
         unsafe {
             let g = base.add(gi * self.gstride);
             let aux = g.add(kb * F::MAIN);
-            let rows: [*const F::Act; R] =
-                std::array::from_fn(|r| acts.as_ptr().add((t0 + r) * kb));
+
             let mut acc = [S::fzero(); R];
             for b in 0..kb {
                 let ahead = if pf > 0 {
@@ -1938,7 +1936,10 @@ impl<F: Format> Packed<F> {
                 } else {
                     Pf::NONE
                 };
-                let a: [*const F::Act; R] = std::array::from_fn(|r| rows[r].add(b));
+                // Block-major activations (see `quantize_rows`): the tile's rows of block `b`
+                // sit one after the other.
+                let blk = acts.as_ptr().add(b * m + t0);
+                let a: [*const F::Act; R] = std::array::from_fn(|r| blk.add(r));
                 let (main, aux) = (g.add(b * F::MAIN), aux.add(b * F::AUX));
                 F::block::<S, R>(main, aux, half, &a, &mut acc, ahead);
             }
