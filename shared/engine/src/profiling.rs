@@ -49,27 +49,41 @@ pub fn measure_forward_while(
     // One untimed forward warms caches and thread pools.
     model.forward_tree(&mut cache, &[1 % vocab], &Tree::chain(1))?;
     cache.truncate(context);
-    let mut out = Vec::with_capacity(sizes.len());
-    for &n in sizes {
-        let tree = shape(n as usize);
-        let tokens: Vec<u32> = (0..tree.len() as u32)
-            .map(|i| (i * 104_729 + 7) % vocab)
-            .collect();
-        let rows: Vec<usize> = (0..tree.len()).collect();
-        let mut times = Vec::with_capacity(repeats);
-        for _ in 0..repeats.max(1) {
+    let trees: Vec<(Tree, Vec<u32>, Vec<usize>)> = sizes
+        .iter()
+        .map(|&n| {
+            let tree = shape(n as usize);
+            let tokens: Vec<u32> = (0..tree.len() as u32)
+                .map(|i| (i * 104_729 + 7) % vocab)
+                .collect();
+            let rows: Vec<usize> = (0..tree.len()).collect();
+            (tree, tokens, rows)
+        })
+        .collect();
+    // Round-robin over the sizes, not all repeats of one size and then the next: the machine's
+    // speed drifts over seconds (other tenants, clocks), and what the planner needs most is the
+    // curve's shape, t(n) against t(1), which a slow spell would bend if it hit only some sizes.
+    let mut times = vec![Vec::with_capacity(repeats.max(1)); sizes.len()];
+    for _ in 0..repeats.max(1) {
+        for ((tree, tokens, rows), t) in trees.iter().zip(&mut times) {
             if !go_on() {
                 return Ok(None);
             }
             let t0 = Instant::now();
-            model.forward_tree_extend(&mut cache, &tokens, &tree, 0, &rows, head_vocab)?;
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
+            model.forward_tree_extend(&mut cache, tokens, tree, 0, rows, head_vocab)?;
+            t.push(t0.elapsed().as_secs_f64() * 1e3);
             cache.truncate(context);
         }
-        times.sort_by(f64::total_cmp);
-        out.push(times[times.len() / 2]);
     }
-    Ok(Some(out))
+    Ok(Some(
+        times
+            .into_iter()
+            .map(|mut t| {
+                t.sort_by(f64::total_cmp);
+                t[t.len() / 2]
+            })
+            .collect(),
+    ))
 }
 
 /// t_v(n): Sequoia-shaped trees, as the target will see them.
