@@ -24,6 +24,12 @@ use tonic::Status;
 /// Weight of the configured acceptance vector in the running estimate, in pseudo-trials.
 const PRIOR_TRIALS: f64 = 20.0;
 
+/// Weight of the node-wide estimate in a generation's own, in pseudo-trials: after about this
+/// many verdicts at a rank, a generation's own acceptance counts as much as everyone's. Tasks
+/// differ (two-host bench, T = 0: 2.1 tokens per step for role-play and translation, 4.3 for
+/// math with the same trees), and one prompt's text is most like its own continuation.
+const OWN_PRIOR_TRIALS: f64 = 16.0;
+
 /// Standard errors added to the acceptance estimate when deciding whether probing could pay.
 const PROBE_CONFIDENCE_Z: f64 = 2.0;
 
@@ -276,19 +282,23 @@ impl Planner {
     /// busy and grow back when it is idle.
     /// `can_decode`: the verify node takes the decode fallback (and it is configured on), so
     /// "no speculation" costs one round trip per decode rather than one per token.
+    /// `own`: the generation's verdicts so far, blended into the node-wide acceptance estimate
+    /// (see [`OWN_PRIOR_TRIALS`]).
     pub fn plan(
         &self,
         costs: Option<&NodeCosts>,
         greedy: bool,
+        own: &RankCounts,
         pipeline_hit: Option<f64>,
         load_sessions: f64,
         can_decode: bool,
     ) -> Result<ActivePlan, String> {
-        let p = self
+        let everyone = self
             .counts(greedy)
             .lock()
             .unwrap()
             .estimate(&self.cfg.acceptance, PRIOR_TRIALS);
+        let p = own.estimate(&everyone, OWN_PRIOR_TRIALS);
         let fallback = self.fallback.as_ref().filter(|_| can_decode);
         let (Some(costs), true) = (costs, self.auto) else {
             let mut plan =
@@ -432,7 +442,14 @@ mod tests {
         let (planner, costs) = loaded_planner();
         let nodes = |load: u32| {
             planner
-                .plan(Some(&costs), true, None, load as f64, true)
+                .plan(
+                    Some(&costs),
+                    true,
+                    &RankCounts::default(),
+                    None,
+                    load as f64,
+                    true,
+                )
                 .unwrap()
                 .full_size()
         };
@@ -446,6 +463,51 @@ mod tests {
             "a busy node ({busy}) must get smaller trees than an idle one ({idle})"
         );
         assert_eq!(idle_again, idle);
+    }
+
+    #[test]
+    fn a_generations_own_verdicts_resize_its_tree() {
+        // Each node costs the target 3 ms on top of a 20 ms forward; drafting a level 2 ms.
+        let cfg = TreeConfig {
+            mode: "auto".into(),
+            nodes: 32,
+            ..TreeConfig::default()
+        };
+        let planner = Planner::new(&cfg, 8).unwrap();
+        *planner.draft_curve.lock().unwrap() =
+            Some(CostCurve::new(vec![1, 16], vec![2.0, 3.0]).unwrap());
+        let costs = NodeCosts {
+            verify: CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap(),
+            network: NetworkProfile {
+                rtt_ms: 0.5,
+                bytes_per_ms: 125_000.0,
+            },
+        };
+        // The node-wide estimate: a draft that is usually right.
+        planner.observe_acceptance(true, &RankCounts::new(vec![180, 10], vec![200, 20]));
+        let nodes = |own: &RankCounts| {
+            planner
+                .plan(Some(&costs), true, own, None, 1.0, true)
+                .unwrap()
+                .full_size()
+        };
+        let fresh = nodes(&RankCounts::default());
+        // This prompt's drafts are rarely accepted at any rank.
+        let hard = nodes(&RankCounts::new(vec![4, 1, 0, 0], vec![40, 36, 35, 35]));
+        assert!(
+            fresh >= 4,
+            "the node-wide estimate pays for a tree: {fresh}"
+        );
+        assert!(
+            hard < fresh,
+            "a generation whose drafts fail gets a smaller tree ({hard}) than a fresh one ({fresh})"
+        );
+        // A few verdicts move the plan only a little: the node-wide estimate is the prior.
+        let one_miss = nodes(&RankCounts::new(vec![0], vec![1]));
+        assert!(
+            one_miss > hard,
+            "one miss ({one_miss}) weighs less than forty ({hard})"
+        );
     }
 
     #[test]
@@ -468,7 +530,9 @@ mod tests {
                 bytes_per_ms: 125_000.0,
             },
         };
-        let plan = planner.plan(Some(&costs), true, None, 1.0, true).unwrap();
+        let plan = planner
+            .plan(Some(&costs), true, &RankCounts::default(), None, 1.0, true)
+            .unwrap();
         assert_eq!(plan.full_size(), 1);
         let k = plan
             .decode_tokens
@@ -479,7 +543,9 @@ mod tests {
         // The summary's plan states a decode's K tokens per step, not the root's one.
         assert_eq!(plan.to_proto(0).expected_tokens_per_step, k as f64);
         // An old node: root-only trees, priced at a round trip per token.
-        let old = planner.plan(Some(&costs), true, None, 1.0, false).unwrap();
+        let old = planner
+            .plan(Some(&costs), true, &RankCounts::default(), None, 1.0, false)
+            .unwrap();
         assert_eq!((old.full_size(), old.decode_tokens), (1, None));
         assert!(old.prediction.as_ref().unwrap().speedup < 0.6);
         // Fixed mode with one node decodes `max_tokens` at a time; off means never.
@@ -492,7 +558,9 @@ mod tests {
             .unwrap()
             .with_fallback(&FallbackConfig::default());
         assert_eq!(
-            on.plan(None, true, None, 1.0, true).unwrap().decode_tokens,
+            on.plan(None, true, &RankCounts::default(), None, 1.0, true)
+                .unwrap()
+                .decode_tokens,
             Some(32)
         );
         let off = Planner::new(&fixed, 8)
@@ -502,7 +570,9 @@ mod tests {
                 ..FallbackConfig::default()
             });
         assert_eq!(
-            off.plan(None, true, None, 1.0, true).unwrap().decode_tokens,
+            off.plan(None, true, &RankCounts::default(), None, 1.0, true)
+                .unwrap()
+                .decode_tokens,
             None
         );
     }

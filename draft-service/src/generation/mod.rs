@@ -303,6 +303,7 @@ impl<'a> Generation<'a> {
             state,
             costs.as_ref(),
             prep.params.is_greedy(),
+            &RankCounts::default(),
             hit,
             1.0,
             link.can_decode(),
@@ -343,17 +344,20 @@ impl<'a> Generation<'a> {
         self.counts.steps as u32
     }
 
-    /// Every `replan_every` steps, and after every decode: fold the new verdicts into the
-    /// estimate and plan again.
+    /// Every `replan_every` steps, after the [`EARLY_REPLANS`] steps, and after every decode:
+    /// fold the new verdicts into the estimate and plan again.
     fn maybe_replan(&mut self) -> Result<(), Status> {
         let steps = self.steps();
-        if self.replan_due || (steps > 0 && steps % self.state.planner.replan_every() == 0) {
+        let every = self.state.planner.replan_every();
+        if self.replan_due || (steps > 0 && (steps % every == 0 || EARLY_REPLANS.contains(&steps)))
+        {
             self.replan_due = false;
             self.fold_acceptance();
             self.plan = plan(
                 self.state,
                 self.costs.as_ref(),
                 self.prep.params.is_greedy(),
+                &self.counts.by_rank(),
                 self.pipeline_hit(),
                 self.load_sessions,
                 self.link.can_decode(),
@@ -694,6 +698,11 @@ impl<'a> Generation<'a> {
     }
 }
 
+/// Steps after which a generation re-plans besides every `replan_every_steps`: early, so that
+/// its own acceptance (which the plan blends in) takes effect within the first tokens rather
+/// than after 16 steps, which is most of a short answer.
+const EARLY_REPLANS: [u32; 2] = [4, 8];
+
 /// Most sessions a verdict's `batch_sessions` is believed for (a node batches at most its
 /// `max_sessions`; anything larger is a buggy or hostile peer).
 const MAX_LOAD_SESSIONS: u32 = 1024;
@@ -703,13 +712,14 @@ fn plan(
     state: &DraftState,
     costs: Option<&NodeCosts>,
     greedy: bool,
+    own: &RankCounts,
     pipeline_hit: Option<f64>,
     load_sessions: f64,
     can_decode: bool,
 ) -> Result<ActivePlan, Status> {
     state
         .planner
-        .plan(costs, greedy, pipeline_hit, load_sessions, can_decode)
+        .plan(costs, greedy, own, pipeline_hit, load_sessions, can_decode)
         .map_err(|e| Status::internal(format!("tree planner: {e}")))
 }
 
