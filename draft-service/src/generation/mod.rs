@@ -22,7 +22,7 @@ use crate::nodes::{unavailable, VerifyNode};
 use crate::plan::ActivePlan;
 use crate::state::DraftState;
 use link::VerifyLink;
-use sequoia_core::planner::cost::{lookup_tokens_worth, pipeline_hit_rate, NodeCosts};
+use sequoia_core::planner::cost::{pipeline_hit_rate, NodeCosts};
 use sequoia_core::stats::{AcceptanceCounts, RankCounts};
 use sequoia_core::tree::Tree;
 use sequoia_core::types::FinishReason;
@@ -512,26 +512,9 @@ impl<'a> Generation<'a> {
         context.extend_from_slice(&self.generated);
         let chain = sequoia_core::lookup::continuation(&context, &params);
         let chain = &chain[..chain.len().min(budget)];
-        let chain = &chain[..self.lookup_worth(drafted.tree.len(), chain.len())];
         let added = drafted.graft_lookup(chain);
         self.lookup_proposed += added as u64;
         added
-    }
-
-    /// How many of `max` prompt-lookup tokens are worth adding to a tree of `n` nodes under
-    /// the plan's costs (all of them with fixed trees): see [`lookup_tokens_worth`].
-    fn lookup_worth(&self, n: usize, max: usize) -> usize {
-        let (Some(pred), Some(costs)) = (&self.plan.prediction, &self.costs) else {
-            return max;
-        };
-        lookup_tokens_worth(
-            pred,
-            &costs.verify,
-            n,
-            max,
-            self.lookup_accepted,
-            self.lookup_proposed,
-        )
     }
 
     /// Verify the drafted tree (on whichever node holds the session) and check the verdict.

@@ -317,51 +317,6 @@ pub fn choose_pipelined(
     })
 }
 
-/// Prior share of prompt-lookup nodes accepted, worth [`LOOKUP_PRIOR_TRIALS`] nodes: enough
-/// for a short chain to look worth a try on a fresh generation, so that its own share gets
-/// measured.
-pub const LOOKUP_PRIOR: f64 = 0.4;
-pub const LOOKUP_PRIOR_TRIALS: f64 = 8.0;
-
-/// How many of `max` prompt-lookup tokens (docs/ALGORITHMS.md §9) are worth adding to a tree of
-/// `n` nodes planned as `plan` on the verify cost curve `verify` (the profile, before the
-/// planner's drift factor): the length that maximizes the expected accepted lookup tokens minus
-/// the cost of the extra nodes, their verify time converted to tokens at the plan's own rate
-/// (expected tokens per step over step time). The i-th token of the chain counts with
-/// probability `a^i`, `a` being the generation's share of accepted lookup nodes so far
-/// (`accepted` of `sent`, with the prior [`LOOKUP_PRIOR`]). Lookup nodes are free to draft but
-/// not to verify: on one CPU core each node of a small tree costs the target about a tenth of a
-/// decode, and chat answers match short n-grams of their prompt often and continue them rarely.
-pub fn lookup_tokens_worth(
-    plan: &Prediction,
-    verify: &CostCurve,
-    n: usize,
-    max: usize,
-    accepted: u64,
-    sent: u64,
-) -> usize {
-    let profiled = verify.at(plan.nodes);
-    if max == 0 || !(plan.step_ms > 0.0 && profiled > 0.0) {
-        return max;
-    }
-    // The plan's verify time is the profile scaled by the planner's drift (and load).
-    let ms_to_tokens = plan.verify_ms / profiled * plan.expected_tokens / plan.step_ms;
-    let a = (accepted as f64 + LOOKUP_PRIOR * LOOKUP_PRIOR_TRIALS)
-        / (sent as f64 + LOOKUP_PRIOR_TRIALS);
-    let base = verify.at(n);
-    let (mut best, mut best_len) = (0.0, 0);
-    let (mut gain, mut reach) = (0.0, 1.0);
-    for len in 1..=max {
-        reach *= a;
-        gain += reach;
-        let net = gain - (verify.at(n + len) - base) * ms_to_tokens;
-        if net > best {
-            (best, best_len) = (net, len);
-        }
-    }
-    best_len
-}
-
 /// The decode fallback (docs/ALGORITHMS.md §5.5): when no tree pays, the verify node decodes
 /// K tokens on its own per round trip. Tokens per decode that keep the round trip's share of
 /// a decode's time at or below `rtt_share`: the smallest K with
@@ -662,45 +617,6 @@ mod tests {
         // Without the fallback (an old verify node) nothing changes.
         let none = choose_with_fallback(&prof, &p, 64, 8, 0, None, None).unwrap();
         assert_eq!(none.best.step_ms, plain.best.step_ms);
-    }
-
-    #[test]
-    fn lookup_chains_are_cut_where_their_nodes_stop_paying() {
-        // 20 ms forward + 3 ms per node; the plan: 4 nodes, 2.5 tokens in a 40 ms step.
-        let verify = CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap();
-        let plan = Prediction {
-            nodes: 4,
-            levels: 3,
-            expected_tokens: 2.5,
-            draft_ms: 8.0,
-            network_ms: 1.0,
-            verify_ms: verify.at(4),
-            overhead_ms: 0.0,
-            step_ms: 40.0,
-            speedup: 1.25,
-            parents: vec![-1, 0, 1, 2],
-            pipeline_hit: None,
-        };
-        // Each node costs 3 ms = 0.19 tokens at this rate.
-        let fresh = lookup_tokens_worth(&plan, &verify, 4, 8, 0, 0);
-        assert!(
-            (1..8).contains(&fresh),
-            "the prior is worth a short chain: {fresh}"
-        );
-        let good = lookup_tokens_worth(&plan, &verify, 4, 8, 95, 100);
-        assert_eq!(
-            good, 8,
-            "a lookup that is almost always right is worth all of it"
-        );
-        let bad = lookup_tokens_worth(&plan, &verify, 4, 8, 2, 100);
-        assert_eq!(bad, 0, "a lookup that is almost never right is worth none");
-        // Where nodes cost nothing (a flat curve), everything is worth sending.
-        let flat = CostCurve::new(vec![1, 32], vec![20.0, 20.0]).unwrap();
-        let free = Prediction {
-            verify_ms: 20.0,
-            ..plan.clone()
-        };
-        assert_eq!(lookup_tokens_worth(&free, &flat, 4, 8, 2, 100), 8);
     }
 
     #[test]
