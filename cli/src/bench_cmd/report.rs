@@ -45,6 +45,8 @@ struct Acc {
     pipeline_hits: u64,
     pipeline_misses: u64,
     pipeline_wasted_ms: f64,
+    lookup_proposed: u64,
+    lookup_accepted: u64,
 }
 
 impl Acc {
@@ -67,6 +69,8 @@ impl Acc {
         self.pipeline_hits += r.pipeline_hits as u64;
         self.pipeline_misses += r.pipeline_misses as u64;
         self.pipeline_wasted_ms += r.pipeline_wasted_ms;
+        self.lookup_proposed += r.lookup_proposed;
+        self.lookup_accepted += r.lookup_accepted;
         self.counts.add(&RankCounts::new(
             r.accepted_by_rank.clone(),
             r.trials_by_rank.clone(),
@@ -117,6 +121,9 @@ pub struct Cell {
     pub pipeline_misses: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline_wasted_ms: Option<f64>,
+    /// Prompt-lookup nodes sent in the trees (T = 0 only), and how many were accepted.
+    pub lookup_proposed: u64,
+    pub lookup_accepted: u64,
     /// The setup the row was measured on (from the run's configuration): CPU sets and threads
     /// of the draft and verify sides (None = not pinned / the service's default), the added
     /// round-trip time and the link rate (Mbit/s per direction, 0 = unlimited).
@@ -192,6 +199,8 @@ impl Cell {
             pipeline_hits: a.pipelined.then_some(a.pipeline_hits),
             pipeline_misses: a.pipelined.then_some(a.pipeline_misses),
             pipeline_wasted_ms: a.pipelined.then_some(a.pipeline_wasted_ms),
+            lookup_proposed: a.lookup_proposed,
+            lookup_accepted: a.lookup_accepted,
             draft_cpus: None,
             verify_cpus: None,
             draft_threads: None,
@@ -520,7 +529,11 @@ pub fn markdown(rep: &Report) -> String {
             s,
             " draft ms/tok | network ms/tok | verify ms/tok | overhead ms/tok |{} \
              pipeline hits/misses | pipeline wasted ms | setup |",
-            if t == 0.0 { " greedy = target |" } else { "" }
+            if t == 0.0 {
+                " greedy = target | lookup accepted/sent |"
+            } else {
+                ""
+            }
         );
         let _ = write!(s, "|---|---:|---:|---:|---:|---:|---:|");
         for _ in 1..=SHOWN_RANKS {
@@ -529,7 +542,7 @@ pub fn markdown(rep: &Report) -> String {
         let _ = writeln!(
             s,
             "---:|---:|---:|---:|{}---:|---:|---|",
-            if t == 0.0 { "---:|" } else { "" }
+            if t == 0.0 { "---:|---:|" } else { "" }
         );
         for m in &rep.methods {
             let Some(c) = rep.cell(t, m, OVERALL) else {
@@ -574,6 +587,7 @@ pub fn markdown(rep: &Report) -> String {
                     c.greedy_identical
                         .map_or("–".into(), |(a, b)| format!("{a}/{b}"))
                 );
+                let _ = write!(s, " {}/{} |", c.lookup_accepted, c.lookup_proposed);
             }
             let _ = write!(
                 s,

@@ -107,6 +107,11 @@ pub struct RunRecord {
     pub pipeline_misses: u32,
     #[serde(default)]
     pub pipeline_wasted_ms: f64,
+    /// Prompt-lookup nodes sent in the trees, and how many of them were accepted.
+    #[serde(default)]
+    pub lookup_proposed: u64,
+    #[serde(default)]
+    pub lookup_accepted: u64,
     /// Set when the generation failed (the other fields are then empty).
     pub error: Option<String>,
 }
