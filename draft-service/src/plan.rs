@@ -412,9 +412,9 @@ mod tests {
         assert!(e.iter().sum::<f64>() <= 1.0 + 1e-12);
     }
 
-    /// A verify node whose forward costs 20 ms up to 16 rows, then 2.5 ms per row (memory-bound,
-    /// then compute-bound), a cheap draft and a fast network.
-    fn loaded_planner() -> (Planner, NodeCosts) {
+    /// An auto planner of up to 32 nodes with the draft cost `draft` (ms per level at 1 and 16
+    /// nodes) in front of a verify node with the cost curve `verify` and a fast network.
+    fn auto_planner(draft: [f64; 2], verify: CostCurve) -> (Planner, NodeCosts) {
         let cfg = TreeConfig {
             mode: "auto".into(),
             nodes: 32,
@@ -422,19 +422,26 @@ mod tests {
         };
         let planner = Planner::new(&cfg, 8).unwrap();
         *planner.draft_curve.lock().unwrap() =
-            Some(CostCurve::new(vec![1, 16], vec![0.5, 0.6]).unwrap());
+            Some(CostCurve::new(vec![1, 16], draft.to_vec()).unwrap());
         let costs = NodeCosts {
-            verify: CostCurve::new(
-                vec![1, 16, 32, 64, 128],
-                vec![20.0, 20.0, 60.0, 140.0, 300.0],
-            )
-            .unwrap(),
+            verify,
             network: NetworkProfile {
                 rtt_ms: 0.5,
                 bytes_per_ms: 125_000.0,
             },
         };
         (planner, costs)
+    }
+
+    /// A verify node whose forward costs 20 ms up to 16 rows, then 2.5 ms per row (memory-bound,
+    /// then compute-bound), and a cheap draft.
+    fn loaded_planner() -> (Planner, NodeCosts) {
+        let verify = CostCurve::new(
+            vec![1, 16, 32, 64, 128],
+            vec![20.0, 20.0, 60.0, 140.0, 300.0],
+        )
+        .unwrap();
+        auto_planner([0.5, 0.6], verify)
     }
 
     #[test]
@@ -468,21 +475,10 @@ mod tests {
     #[test]
     fn a_generations_own_verdicts_resize_its_tree() {
         // Each node costs the target 3 ms on top of a 20 ms forward; drafting a level 2 ms.
-        let cfg = TreeConfig {
-            mode: "auto".into(),
-            nodes: 32,
-            ..TreeConfig::default()
-        };
-        let planner = Planner::new(&cfg, 8).unwrap();
-        *planner.draft_curve.lock().unwrap() =
-            Some(CostCurve::new(vec![1, 16], vec![2.0, 3.0]).unwrap());
-        let costs = NodeCosts {
-            verify: CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap(),
-            network: NetworkProfile {
-                rtt_ms: 0.5,
-                bytes_per_ms: 125_000.0,
-            },
-        };
+        let (planner, costs) = auto_planner(
+            [2.0, 3.0],
+            CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap(),
+        );
         // The node-wide estimate: a draft that is usually right.
         planner.observe_acceptance(true, &RankCounts::new(vec![180, 10], vec![200, 20]));
         let nodes = |own: &RankCounts| {
