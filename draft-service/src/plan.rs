@@ -283,7 +283,8 @@ impl Planner {
     /// `can_decode`: the verify node takes the decode fallback (and it is configured on), so
     /// "no speculation" costs one round trip per decode rather than one per token.
     /// `own`: the generation's verdicts so far, blended into the node-wide acceptance estimate
-    /// (see [`OWN_PRIOR_TRIALS`]).
+    /// (see [`OWN_PRIOR_TRIALS`]). They are already folded into the node-wide counts, so those
+    /// are taken without them here: a generation's verdicts count once.
     pub fn plan(
         &self,
         costs: Option<&NodeCosts>,
@@ -293,12 +294,13 @@ impl Planner {
         load_sessions: f64,
         can_decode: bool,
     ) -> Result<ActivePlan, String> {
-        let everyone = self
+        let others = self
             .counts(greedy)
             .lock()
             .unwrap()
+            .since(own)
             .estimate(&self.cfg.acceptance, PRIOR_TRIALS);
-        let p = own.estimate(&everyone, OWN_PRIOR_TRIALS);
+        let p = own.estimate(&others, OWN_PRIOR_TRIALS);
         let fallback = self.fallback.as_ref().filter(|_| can_decode);
         let (Some(costs), true) = (costs, self.auto) else {
             let mut plan =
@@ -474,14 +476,16 @@ mod tests {
 
     #[test]
     fn a_generations_own_verdicts_resize_its_tree() {
-        // Each node costs the target 3 ms on top of a 20 ms forward; drafting a level 2 ms.
-        let (planner, costs) = auto_planner(
-            [2.0, 3.0],
-            CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap(),
-        );
-        // The node-wide estimate: a draft that is usually right.
-        planner.observe_acceptance(true, &RankCounts::new(vec![180, 10], vec![200, 20]));
+        // Each node costs the target 3 ms on top of a 20 ms forward; drafting a level 2 ms. The
+        // other generations' drafts are usually right; this one's verdicts are folded into the
+        // node-wide counts before it plans, as the generation loop does.
         let nodes = |own: &RankCounts| {
+            let (planner, costs) = auto_planner(
+                [2.0, 3.0],
+                CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap(),
+            );
+            planner.observe_acceptance(true, &RankCounts::new(vec![180, 10], vec![200, 20]));
+            planner.observe_acceptance(true, own);
             planner
                 .plan(Some(&costs), true, own, None, 1.0, true)
                 .unwrap()

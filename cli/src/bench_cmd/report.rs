@@ -770,7 +770,14 @@ mod tests {
     #[test]
     fn pooled_rates_and_same_run_speedups() {
         let methods = parse_methods(&["target".into(), "chain:2".into()]).unwrap();
-        let rep = build(&methods, &records());
+        let mut recs = records();
+        // Prompt-lookup nodes in the two T = 0 chain:2 runs: 3 of 5 and 1 of 4 accepted.
+        for (i, (acc, sent)) in [(1, (3, 5)), (3, (1, 4))] {
+            if let Record::Run(r) = &mut recs[i] {
+                (r.lookup_accepted, r.lookup_proposed) = (acc, sent);
+            }
+        }
+        let rep = build(&methods, &recs);
         assert_eq!(rep.complete_groups, 3);
         assert_eq!(rep.incomplete_groups, 1);
         assert_eq!(rep.failed_runs, 1);
@@ -786,6 +793,7 @@ mod tests {
         assert_eq!(o.prompts, 2);
         assert!((o.tokens_per_step - 2.0).abs() < 1e-9);
         assert_eq!(o.acceptance, vec![0.75, 0.25]);
+        assert_eq!((o.lookup_accepted, o.lookup_proposed), (4, 9));
         // Time split per token: draft 1/4, verify 1/2, network 1/8 of decode, overhead the rest.
         let per_tok = 2500.0 / 30.0;
         assert!((o.draft_ms_per_token - per_tok / 4.0).abs() < 1e-9);
@@ -808,7 +816,7 @@ mod tests {
             ),
             "{md}"
         );
-        assert!(md.contains("| 2/2 |"), "{md}");
+        assert!(md.contains("| 2/2 | 4/9 |"), "{md}");
         // Categories without results at a temperature get no row there.
         let hot = &md[md.find("## T = 0.7").unwrap()..];
         assert!(!hot.contains("| math |"), "{md}");

@@ -1,0 +1,28 @@
+//! One repacked kernel in a loop, for profiling it alone (`perf record` sees nothing else):
+//! `cargo run --release -p sequoia-engine --example kernel_loop -- FORMAT ROWS COPIES REPS`,
+//! e.g. `… -- Q4K 8 1 20`. Each rep times the 8960 × 1536 gate/up shape on the AVX-512 VNNI path,
+//! one thread, as `sequoia engine-bench --kernels` does. COPIES = 1 keeps the weights in cache
+//! (the kernel's arithmetic alone); 64 streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the
+//! prefetch distance.
+
+use sequoia_engine::kernels;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize, default: usize| -> Result<usize, String> {
+        args.get(i).map_or(Ok(default), |s| {
+            s.parse().map_err(|e| format!("argument {}: {e}", i + 1))
+        })
+    };
+    let format = args.first().map_or("Q4K", String::as_str);
+    let (rows, copies, reps) = (arg(1, 8)?, arg(2, 1)?, arg(3, 20)?);
+    for _ in 0..reps {
+        let t = kernels::bench(kernels::Isa::Avx512Vnni, format, 8960, 1536, rows, copies)?;
+        println!(
+            "{format} rows={rows} copies={copies}: {:.3} ms {:.1} G MAC/s",
+            t.ns / 1e6,
+            t.gmacs
+        );
+    }
+    Ok(())
+}
