@@ -241,6 +241,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
             bytes_per_ms: args.bandwidth_mbps * 125.0,
         },
         overhead_ms: 0.5,
+        step_extra_ms: 0.0,
         context: args.context,
         note: format!(
             "target {target_name}, draft {draft_name}, on {device}, threads {}",

@@ -176,6 +176,7 @@ mod tests {
                 bytes_per_ms: 125_000.0,
             },
             overhead_ms: 0.5,
+            step_extra_ms: 0.0,
             context: 128,
             note: String::new(),
         };

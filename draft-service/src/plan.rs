@@ -8,7 +8,8 @@
 use crate::config::{FallbackConfig, TreeConfig};
 use sequoia_core::limits;
 use sequoia_core::planner::cost::{
-    choose_with_fallback, decode_tokens, CostCurve, NetworkProfile, NodeCosts, Prediction, Profile,
+    choose_with_fallback, decode_tokens, tree_draft_ms, CostCurve, NetworkProfile, NodeCosts,
+    Prediction, Profile,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
 use sequoia_core::stats::RankCounts;
@@ -111,11 +112,35 @@ impl ActivePlan {
     }
 }
 
-/// Observed/predicted ratios, smoothed, so the plan follows drift in the real step times.
+/// Observed/profiled ratios, smoothed, so the plan follows drift in the real step times.
 #[derive(Debug, Clone, Copy)]
 struct Drift {
     verify: f64,
     draft: f64,
+}
+
+/// One observation's weight in a drift factor (exponential smoothing).
+const DRIFT_WEIGHT: f64 = 0.2;
+
+/// Share of one step's prediction error added to the learned per-step extra. Steps vary a lot
+/// (a pipelined step that hit costs about a verification, one that missed a draft more), so
+/// each moves it a little.
+const STEP_EXTRA_GAIN: f64 = 0.1;
+
+/// Share of the per-step extra dropped after each decode of the fallback.
+const STEP_EXTRA_RELAX: f64 = 0.2;
+
+/// Upper bound of the per-step extra, ms: a stalled step must not put every plan off trees.
+const MAX_STEP_EXTRA_MS: f64 = 250.0;
+
+/// `old` moved toward `observed / profiled` by [`DRIFT_WEIGHT`], within 0.2..=5 (a stall or a
+/// bad measurement must not make every plan absurd); unchanged when either time is not positive.
+fn smooth_drift(old: f64, observed: f64, profiled: f64) -> f64 {
+    if profiled > 0.0 && observed > 0.0 && observed.is_finite() {
+        ((1.0 - DRIFT_WEIGHT) * old + DRIFT_WEIGHT * observed / profiled).clamp(0.2, 5.0)
+    } else {
+        old
+    }
 }
 
 #[derive(Debug)]
@@ -127,6 +152,9 @@ pub struct Planner {
     greedy: Mutex<RankCounts>,
     sampled: Mutex<RankCounts>,
     drift: Mutex<Drift>,
+    /// Learned per tree step: the draft side's time the cost model has no term for
+    /// (`Profile::step_extra_ms`).
+    step_extra_ms: Mutex<f64>,
     /// The decode fallback's settings; None = off.
     fallback: Option<FallbackConfig>,
 }
@@ -160,6 +188,7 @@ impl Planner {
                 verify: 1.0,
                 draft: 1.0,
             }),
+            step_extra_ms: Mutex::new(0.0),
             fallback: None,
         })
     }
@@ -258,18 +287,68 @@ impl Planner {
         self.counts(greedy).lock().unwrap().add(counts);
     }
 
-    /// Fold observed step times into the drift factors (exponential smoothing).
-    pub fn observe_times(&self, predicted: &Prediction, verify_ms: f64, draft_ms: f64) {
+    /// Fold a verify time the node reported into the verify drift factor: `forwards` forwards
+    /// of `rows` rows each (a tree: one forward of its batch's rows; a decode message: one
+    /// forward per token) took `observed_ms`, against the profile's t_v(rows) per forward.
+    /// Every tree and every decode counts, whatever its size, so the factor keeps learning
+    /// while the plan is the decode fallback: a factor learned only on the plan's own trees
+    /// could lock the planner out of speculation (no tree sent, so nothing to correct it).
+    pub fn observe_verify(
+        &self,
+        costs: &NodeCosts,
+        rows: usize,
+        forwards: usize,
+        observed_ms: f64,
+    ) {
+        let profiled = forwards as f64 * costs.verify.at(rows.max(1));
         let mut d = self.drift.lock().unwrap();
-        let smooth = |old: f64, obs: f64, pred: f64| {
-            if pred > 0.0 && obs > 0.0 {
-                (0.8 * old + 0.2 * obs / pred).clamp(0.2, 5.0)
-            } else {
-                old
-            }
+        d.verify = smooth_drift(d.verify, observed_ms, profiled);
+    }
+
+    /// Fold the time the draft took to grow a tree of `shape` (its own forwards only: not the
+    /// catch-up over committed tokens it had not run, nor work done ahead) into the draft drift
+    /// factor, against the profile's t_d over the shape's levels.
+    pub fn observe_draft(&self, shape: &Tree, observed_ms: f64) {
+        let Some(curve) = self.draft_curve.lock().unwrap().clone() else {
+            return;
         };
-        d.verify = smooth(d.verify, verify_ms, predicted.verify_ms / d.verify);
-        d.draft = smooth(d.draft, draft_ms, predicted.draft_ms / d.draft);
+        let profiled = tree_draft_ms(&curve, shape);
+        let mut d = self.drift.lock().unwrap();
+        d.draft = smooth_drift(d.draft, observed_ms, profiled);
+    }
+
+    /// A tree step of the plan's own shape took `observed_ms` (from drafting it to having its
+    /// verdict followed) where the plan predicted `predicted_ms`: the learned per-step extra
+    /// moves by a share of the error, so that on average the predicted step is the observed
+    /// one. What it absorbs is real cost the cost model has no term for: following the
+    /// verdict, the draft forward that was running ahead when the verdict arrived, the verify
+    /// time of lookup nodes. Without it, a task whose trees barely pay in the model loses to
+    /// plain decoding in fact.
+    pub fn observe_step(&self, predicted_ms: f64, observed_ms: f64) {
+        if !(predicted_ms.is_finite() && observed_ms.is_finite()) {
+            return;
+        }
+        let mut extra = self.step_extra_ms.lock().unwrap();
+        *extra =
+            (*extra + STEP_EXTRA_GAIN * (observed_ms - predicted_ms)).clamp(0.0, MAX_STEP_EXTRA_MS);
+    }
+
+    /// A stretch without tree steps (the decode fallback) observes nothing of the per-step
+    /// extra: it relaxes toward zero, so that a spell of slow steps does not keep the planner
+    /// off trees for good; the next trees measure it again.
+    pub fn relax_step_extra(&self) {
+        *self.step_extra_ms.lock().unwrap() *= 1.0 - STEP_EXTRA_RELAX;
+    }
+
+    /// The learned per-tree-step extra, ms.
+    pub fn step_extra_ms(&self) -> f64 {
+        *self.step_extra_ms.lock().unwrap()
+    }
+
+    /// The current (verify, draft) drift factors: observed over profiled times, smoothed.
+    pub fn drift(&self) -> (f64, f64) {
+        let d = *self.drift.lock().unwrap();
+        (d.verify, d.draft)
     }
 
     /// The plan for a new generation (or a re-plan), given the node's costs in auto mode.
@@ -336,6 +415,7 @@ impl Planner {
             draft: scale(&draft, d.draft),
             network: costs.network,
             overhead_ms: 0.5,
+            step_extra_ms: self.step_extra_ms(),
             context: self.cfg.profile_context,
             note: String::new(),
         };
@@ -352,17 +432,30 @@ impl Planner {
                 PRIOR_TRIALS,
                 PROBE_CONFIDENCE_Z,
             );
-            let hope = choose_with_fallback(
-                &profile,
-                &optimistic,
-                nodes,
-                levels,
-                q,
-                pipeline_hit,
-                decode,
-            )
-            .map_err(|e| e.to_string())?;
-            plan.probe = hope.best.nodes > 1;
+            // Probing pays if a tree would at the optimistic acceptance, with the costs as
+            // observed or as profiled: a slow spell that inflated the drift factors must not
+            // stop the probes that would show it has passed.
+            let as_profiled = Profile {
+                verify: loaded(&costs.verify),
+                draft: draft.clone(),
+                step_extra_ms: 0.0,
+                ..profile.clone()
+            };
+            let mut probe = false;
+            for costs in [&profile, &as_profiled] {
+                let hope = choose_with_fallback(
+                    costs,
+                    &optimistic,
+                    nodes,
+                    levels,
+                    q,
+                    pipeline_hit,
+                    decode,
+                )
+                .map_err(|e| e.to_string())?;
+                probe |= hope.best.nodes > 1;
+            }
+            plan.probe = probe;
             plan.decode_tokens = decode;
         }
         plan.prediction = Some(best);
@@ -508,6 +601,120 @@ mod tests {
             one_miss > hard,
             "one miss ({one_miss}) weighs less than forty ({hard})"
         );
+    }
+
+    /// An auto planner with the decode fallback on, where trees pay at the profiled costs (3 ms
+    /// per draft level, 20 ms + 3 ms per node to verify) with a draft that is usually right,
+    /// and the verify node's costs.
+    fn fallback_planner() -> (Planner, NodeCosts) {
+        let (planner, costs) = auto_planner(
+            [3.0, 4.5],
+            CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap(),
+        );
+        let planner = planner.with_fallback(&FallbackConfig::default());
+        planner.observe_acceptance(true, &RankCounts::new(vec![450, 20], vec![500, 50]));
+        (planner, costs)
+    }
+
+    fn plan_of(planner: &Planner, costs: &NodeCosts) -> ActivePlan {
+        planner
+            .plan(Some(costs), true, &RankCounts::default(), None, 1.0, true)
+            .unwrap()
+    }
+
+    #[test]
+    fn slow_drafts_move_the_plan_to_decodes_and_probes_bring_it_back() {
+        let (planner, costs) = fallback_planner();
+        assert!(plan_of(&planner, &costs).full_size() > 1);
+        // A slow spell: every draft level takes five times its profiled time (a three-node
+        // chain is two forwards of one node).
+        let chain = Tree::chain(3);
+        for _ in 0..20 {
+            planner.observe_draft(&chain, 5.0 * 2.0 * 3.0);
+        }
+        assert!(planner.drift().1 > 4.0, "{:?}", planner.drift());
+        let slow = plan_of(&planner, &costs);
+        assert_eq!(slow.full_size(), 1, "no tree pays with drafts this slow");
+        assert!(slow.decode_tokens.is_some());
+        // The drift says no tree pays, but the profile says one would: keep probing, or the
+        // planner would never see the spell end.
+        assert!(slow.probe, "a slow spell must not stop the probes");
+        // Probes (a two-node chain: one draft forward of one node) at the profiled speed.
+        for _ in 0..20 {
+            planner.observe_draft(&Tree::chain(2), 3.0);
+        }
+        assert!(plan_of(&planner, &costs).full_size() > 1);
+    }
+
+    #[test]
+    fn verify_drift_is_learned_from_trees_and_decodes_of_any_size() {
+        let (planner, costs) = fallback_planner();
+        // Decode messages of 8 tokens at twice the profiled t(1).
+        for _ in 0..30 {
+            planner.observe_verify(&costs, 1, 8, 8.0 * 40.0);
+        }
+        assert!(
+            (planner.drift().0 - 2.0).abs() < 0.01,
+            "{:?}",
+            planner.drift()
+        );
+        // A tree of 11 rows (a lookup branch on top of the plan's tree) at the profiled time.
+        for _ in 0..30 {
+            planner.observe_verify(&costs, 11, 1, costs.verify.at(11));
+        }
+        assert!(
+            (planner.drift().0 - 1.0).abs() < 0.01,
+            "{:?}",
+            planner.drift()
+        );
+        // Nonsense times are ignored.
+        planner.observe_verify(&costs, 4, 1, f64::NAN);
+        planner.observe_verify(&costs, 4, 1, 0.0);
+        assert!((planner.drift().0 - 1.0).abs() < 0.01);
+    }
+
+    #[test]
+    fn the_step_extra_is_learned_from_steps_and_relaxes_on_decodes() {
+        let (planner, costs) = fallback_planner();
+        let plan = plan_of(&planner, &costs);
+        let before = plan.prediction.as_ref().unwrap().clone();
+        assert!(plan.full_size() > 1);
+        // Every step takes 4 ms longer than predicted: the extra converges to it, and the
+        // prediction (for the same tree) with it.
+        for _ in 0..200 {
+            let pred = plan_of(&planner, &costs);
+            let p = pred.prediction.as_ref().unwrap();
+            planner.observe_step(p.step_ms, p.step_ms - planner.step_extra_ms() + 4.0);
+        }
+        assert!(
+            (planner.step_extra_ms() - 4.0).abs() < 0.05,
+            "{}",
+            planner.step_extra_ms()
+        );
+        let after = plan_of(&planner, &costs);
+        let p = after.prediction.as_ref().unwrap();
+        if after.full_size() == before.nodes {
+            assert!(
+                (p.step_ms - before.step_ms - 4.0).abs() < 0.1,
+                "{p:?} vs {before:?}"
+            );
+        }
+        assert!(p.speedup < before.speedup);
+        // A step extra larger than what trees gain puts the plan on decodes (fallback rather
+        // than slow down); decodes then relax it, and trees come back.
+        for _ in 0..200 {
+            planner.observe_step(10.0, 200.0);
+        }
+        let off = plan_of(&planner, &costs);
+        assert_eq!(off.full_size(), 1);
+        assert!(off.probe);
+        let mut decodes = 0;
+        while plan_of(&planner, &costs).full_size() == 1 {
+            planner.relax_step_extra();
+            decodes += 1;
+            assert!(decodes < 100, "the extra never relaxed");
+        }
+        assert!(decodes > 1, "{decodes}");
     }
 
     #[test]

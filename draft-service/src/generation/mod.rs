@@ -127,20 +127,19 @@ async fn generate(
             }
         }
         let shape = g.next_shape(room);
+        let t_step = Instant::now();
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
-        // A tree grown with a lookup branch, or grown ahead during the last verification, is
-        // not what the plan predicted a time for.
-        let planned = (g.add_lookup(&mut drafted, room) == 0 && !drafted.was_drafted_ahead())
-            .then_some(shape.len());
+        g.add_lookup(&mut drafted, room);
         let (verdict, ahead) = if prep.pipeline {
-            let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, planned, room).await?;
+            let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, room).await?;
             draft = back;
             (verdict, ahead)
         } else {
-            (g.verify(&drafted, planned).await?, None)
+            (g.verify(&drafted).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
+        g.observe_step(&shape, t_step.elapsed());
         match g.deliver(&emitted, &mut out, tx).await? {
             Delivered::More => {}
             Delivered::Finished(f) => break f,
@@ -232,6 +231,8 @@ struct Generation<'a> {
     /// tree like ours), so trees shrink when the node is busy.
     load_sessions: f64,
     ahead_time: Option<Duration>,
+    /// Committed tokens the draft caught up over before its latest tree.
+    caught_up: usize,
     /// Tokens the verify node decoded on its own (the decode fallback), and whether a decode
     /// ended since the last re-plan (each one is followed by a re-plan).
     fallback_tokens: u32,
@@ -328,6 +329,7 @@ impl<'a> Generation<'a> {
             pipeline_wasted: Duration::ZERO,
             load_sessions: 1.0,
             ahead_time: None,
+            caught_up: 0,
             fallback_tokens: 0,
             replan_due: false,
             t_start,
@@ -413,6 +415,12 @@ impl<'a> Generation<'a> {
             self.times.verify_ms += m.verify_ms;
             let sessions = m.batch_sessions.clamp(1, MAX_LOAD_SESSIONS) as f64;
             self.load_sessions = 0.5 * self.load_sessions + 0.5 * sessions;
+            if let (Some(costs), false) = (&self.costs, m.tokens.is_empty()) {
+                let rows = m.batch_rows.max(1) as usize;
+                self.state
+                    .planner
+                    .observe_verify(costs, rows, m.tokens.len(), m.verify_ms);
+            }
             if let Some(&newest) = m.tokens.last() {
                 // The draft follows: the old root and every decoded token but the newest (the
                 // next root) become its pending context.
@@ -430,6 +438,7 @@ impl<'a> Generation<'a> {
             }
         }
         self.times.roundtrip += t0.elapsed();
+        self.state.planner.relax_step_extra();
         Ok(result)
     }
 
@@ -468,6 +477,26 @@ impl<'a> Generation<'a> {
         }
     }
 
+    /// A step of `shape` took `took`, from drafting to following its verdict: the planner
+    /// learns what its step-time model misses (`Planner::observe_step`) from steps of the
+    /// plan's own tree. Not from probes (another shape), nor from the first tree after a
+    /// decode, whose draft first caught up over the decoded tokens (the switch's cost, not a
+    /// step's).
+    fn observe_step(&self, shape: &Tree, took: Duration) {
+        let plan = &self.plan;
+        if let (Some(pred), true) = (
+            &plan.prediction,
+            plan.is_auto()
+                && plan.decode_tokens.is_none()
+                && shape.len() == plan.full_size()
+                && self.caught_up <= 1,
+        ) {
+            self.state
+                .planner
+                .observe_step(pred.step_ms, took.as_secs_f64() * 1e3);
+        }
+    }
+
     /// Grow the tree with the draft model (CPU-bound, so off the async workers).
     async fn draft(
         &mut self,
@@ -475,17 +504,31 @@ impl<'a> Generation<'a> {
         shape: &Tree,
     ) -> Result<(DraftSession, DraftedTree), Status> {
         let t0 = Instant::now();
-        let (model, root, shape) = (self.state.model.clone(), self.root, shape.clone());
-        let (back, drafted) = tokio::task::spawn_blocking(move || {
-            let r = draft.grow(&model, root, &shape);
-            (draft, r)
+        let (model, root, grown) = (self.state.model.clone(), self.root, shape.clone());
+        let (back, drafted, growing) = tokio::task::spawn_blocking(move || {
+            // The catch-up over committed tokens (after a decode, dozens) is not the tree's
+            // cost: time the tree's own forwards apart for the planner.
+            let caught_up = if grown.len() > 1 {
+                draft.catch_up(&model)
+            } else {
+                Ok(0)
+            };
+            let t1 = Instant::now();
+            let r = caught_up.and_then(|n| Ok((n, draft.grow(&model, root, &grown)?)));
+            (draft, r, t1.elapsed())
         })
         .await
         .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
         draft = back;
-        let drafted = drafted.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
-        self.times.last_draft = t0.elapsed();
-        self.times.draft += self.times.last_draft;
+        let (caught_up, drafted) =
+            drafted.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+        self.caught_up = caught_up;
+        self.times.draft += t0.elapsed();
+        if shape.len() > 1 && !drafted.was_drafted_ahead() && self.plan.is_auto() {
+            self.state
+                .planner
+                .observe_draft(shape, growing.as_secs_f64() * 1e3);
+        }
         if let Some(ahead) = self.ahead_time.take() {
             if drafted.was_drafted_ahead() {
                 self.pipeline_hits += 1;
@@ -518,12 +561,7 @@ impl<'a> Generation<'a> {
     }
 
     /// Verify the drafted tree (on whichever node holds the session) and check the verdict.
-    /// `planned`: the plan's tree size this step's time is observed for (None = not comparable).
-    async fn verify(
-        &mut self,
-        drafted: &DraftedTree,
-        planned: Option<usize>,
-    ) -> Result<Verdict, Status> {
+    async fn verify(&mut self, drafted: &DraftedTree) -> Result<Verdict, Status> {
         let committed = || {
             let mut c = self.prep.prompt_tokens.clone();
             c.extend_from_slice(&self.generated);
@@ -539,15 +577,15 @@ impl<'a> Generation<'a> {
         self.times.verify_ms += verdict.verify_ms;
         let sessions = verdict.batch_sessions.clamp(1, MAX_LOAD_SESSIONS) as f64;
         self.load_sessions = 0.5 * self.load_sessions + 0.5 * sessions;
-        // Only full-size trees are comparable with the plan's prediction.
-        if let (Some(pred), true) = (
-            &self.plan.prediction,
-            planned == Some(self.plan.full_size()),
-        ) {
-            let draft_ms = self.times.last_draft.as_secs_f64() * 1e3;
+        if let Some(costs) = &self.costs {
+            // Nodes that do not report their batch: the tree was the forward.
+            let rows = match verdict.batch_rows {
+                0 => drafted.tree.len(),
+                r => r as usize,
+            };
             self.state
                 .planner
-                .observe_times(pred, verdict.verify_ms, draft_ms);
+                .observe_verify(costs, rows, 1, verdict.verify_ms);
         }
         if verdict.next_token as usize >= self.state.model.info().vocab_size {
             return Err(Status::internal(format!(
@@ -567,14 +605,13 @@ impl<'a> Generation<'a> {
         &mut self,
         mut draft: DraftSession,
         drafted: &DraftedTree,
-        planned: Option<usize>,
         room: usize,
     ) -> Result<(DraftSession, Verdict, Option<Speculation>), Status> {
         // The next step's shape, assuming the deepest path (the least room) and the plan as it
         // is; if the plan changes at the next re-plan, the tree grown ahead is dropped.
         let next = self.shape_at(room.saturating_sub(drafted.tree.levels()), self.steps() + 1);
         if next.len() < 2 || drafted.forwarded() == 0 {
-            return Ok((draft, self.verify(drafted, planned).await?, None));
+            return Ok((draft, self.verify(drafted).await?, None));
         }
         let cfg = &self.state.config.pipeline;
         let ends = drafted.likeliest_ends(&self.plan.acceptance, cfg.candidates);
@@ -590,7 +627,7 @@ impl<'a> Generation<'a> {
             let spec = draft.speculate(&model, &tree, &next, &ends, max, &flag);
             (draft, spec, t0.elapsed())
         });
-        let verdict = self.verify(drafted, planned).await;
+        let verdict = self.verify(drafted).await;
         stop.store(true, Ordering::Relaxed);
         let (draft, spec, took) = ahead
             .await

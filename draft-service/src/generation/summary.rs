@@ -27,9 +27,8 @@ pub fn record_summary(metrics: &Metrics, s: &GenerateSummary) {
 #[derive(Debug, Default)]
 pub(super) struct StepTimes {
     pub prefill_ms: f64,
-    /// Drafting, all steps; and the latest step's alone (for the planner's drift estimate).
+    /// Drafting, all steps.
     pub draft: Duration,
-    pub last_draft: Duration,
     /// Target forward time as the verify node measured it.
     pub verify_ms: f64,
     /// Send tree → receive verdict, as this node measured it (verify time included).

@@ -100,8 +100,14 @@ pub struct Profile {
     /// Draft forward time over one level of w nodes, t_d(w), on the draft node.
     pub draft: CostCurve,
     pub network: NetworkProfile,
-    /// Per-step time outside forwards and the network (sampling, serialization), ms.
+    /// Per-message time outside forwards and the network (sampling, serialization), ms.
     pub overhead_ms: f64,
+    /// Per tree step, the draft side's time besides its forwards and the round trip (following
+    /// the verdict, the draft forward in flight when it arrived, grafting lookup branches), ms:
+    /// learned in service from observed steps (docs/ALGORITHMS.md §5.4, per-step extra); 0 in offline profiles.
+    /// Decodes of the fallback do not pay it.
+    #[serde(default)]
+    pub step_extra_ms: f64,
     /// Context length the forwards were measured at.
     pub context: usize,
     /// Free-form description (models, machine).
@@ -125,6 +131,9 @@ impl Profile {
         }
         if !(self.overhead_ms.is_finite() && self.overhead_ms >= 0.0) {
             return Err(ProfileError("overhead_ms must be ≥ 0".into()));
+        }
+        if !(self.step_extra_ms.is_finite() && self.step_extra_ms >= 0.0) {
+            return Err(ProfileError("step_extra_ms must be ≥ 0".into()));
         }
         Ok(())
     }
@@ -187,6 +196,16 @@ pub fn pipelined_step_ms(hit: f64, draft_next_ms: f64, round_trip_ms: f64, draft
     hit * draft_next_ms.max(round_trip_ms) + (1.0 - hit) * (round_trip_ms + draft_ms)
 }
 
+/// Draft time of growing `tree` from a root the draft has already run: one forward per level
+/// that has children, over that level's nodes (the last level is sampled, not forwarded).
+pub fn tree_draft_ms(draft: &CostCurve, tree: &Tree) -> f64 {
+    let widths = tree.widths();
+    widths[..widths.len().saturating_sub(1)]
+        .iter()
+        .map(|&w| draft.at(w))
+        .sum()
+}
+
 /// Predict the step of `tree` under acceptance `p`, sending `q_entries` q entries per node
 /// (0 at temperature 0).
 pub fn predict(profile: &Profile, p: &[f64], tree: &Tree, q_entries: usize) -> Prediction {
@@ -203,12 +222,8 @@ pub fn predict_pipelined(
     pipeline_hit: Option<f64>,
 ) -> Prediction {
     let g = expected_tokens(tree, p);
-    let widths = tree.widths();
-    let levels = widths.len();
-    let mut draft_ms: f64 = widths[..levels - 1]
-        .iter()
-        .map(|&w| profile.draft.at(w))
-        .sum();
+    let levels = tree.levels();
+    let mut draft_ms = tree_draft_ms(&profile.draft, tree);
     if levels > 1 {
         // The chance the accepted path ends on the last level, whose tokens the draft has not run.
         let mut f = vec![0.0f64; tree.len()];
@@ -226,11 +241,12 @@ pub fn predict_pipelined(
         profile.verify.at(tree.len()),
     );
     let round_trip = network_ms + verify_ms + profile.overhead_ms;
-    let step_ms = match pipeline_hit {
-        // The root alone drafts nothing, so there is nothing to overlap.
-        Some(hit) if tree.len() > 1 => pipelined_step_ms(hit, draft_ms, round_trip, draft_ms),
-        _ => draft_ms + round_trip,
-    };
+    let step_ms = profile.step_extra_ms
+        + match pipeline_hit {
+            // The root alone drafts nothing, so there is nothing to overlap.
+            Some(hit) if tree.len() > 1 => pipelined_step_ms(hit, draft_ms, round_trip, draft_ms),
+            _ => draft_ms + round_trip,
+        };
     Prediction {
         nodes: tree.len(),
         levels,
@@ -238,7 +254,7 @@ pub fn predict_pipelined(
         draft_ms,
         network_ms,
         verify_ms,
-        overhead_ms: profile.overhead_ms,
+        overhead_ms: profile.overhead_ms + profile.step_extra_ms,
         step_ms,
         speedup: g * profile.verify.at(1) / step_ms,
         parents: tree.parents().to_vec(),
@@ -425,6 +441,7 @@ mod tests {
                 bytes_per_ms: 125_000.0,
             },
             overhead_ms: 0.5,
+            step_extra_ms: 0.0,
             context: 256,
             note: String::new(),
         }

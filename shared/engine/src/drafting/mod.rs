@@ -194,6 +194,23 @@ impl DraftSession {
         self.cache.len() - ahead + self.pending.len()
     }
 
+    /// Run the committed tokens the draft has not processed yet (after a decode fallback, or
+    /// an accepted leaf or lookup node); returns how many. [`grow`](Self::grow) does this itself
+    /// before a tree that needs the draft; calling it first lets the caller time the tree's own
+    /// forwards apart from the catch-up. Does nothing while a tree grown ahead is ready (the
+    /// cache then ends with its nodes, and nothing is pending).
+    pub fn catch_up(&mut self, model: &Model) -> Result<usize, EngineError> {
+        if self.ready.is_some() || self.pending.is_empty() {
+            return Ok(0);
+        }
+        let pending = std::mem::take(&mut self.pending);
+        if let Err(e) = model.forward_chain(&mut self.cache, &pending) {
+            self.pending = pending;
+            return Err(e);
+        }
+        Ok(pending.len())
+    }
+
     /// Grow a tree of (at most) `shape` from `root`: one draft forward per level over that
     /// level's nodes, then children by sampling without replacement from q (greedy top-b at
     /// T = 0). A node gets fewer children than planned when q has fewer tokens.
@@ -210,12 +227,8 @@ impl DraftSession {
             // Grown for another shape (the plan changed): drop its nodes.
             self.cache.truncate(self.cache.len() - ahead.forwarded);
         }
-        if shape.len() > 1 && !self.pending.is_empty() {
-            let pending = std::mem::take(&mut self.pending);
-            if let Err(e) = model.forward_chain(&mut self.cache, &pending) {
-                self.pending = pending;
-                return Err(e);
-            }
+        if shape.len() > 1 {
+            self.catch_up(model)?;
         }
         let growth = Growth::new(root, shape.clone(), self.seed, self.context_len());
         self.finish(model, growth, false)
