@@ -5,7 +5,7 @@
 
 mod pipeline;
 
-pub use pipeline::{likeliest_ends, Speculation, SpeculationOutcome};
+pub use pipeline::{likeliest_hits, Speculation, SpeculationOutcome};
 
 use crate::{EngineError, KvCache, Logits, Model};
 use sequoia_core::sampling::{
@@ -34,6 +34,12 @@ pub struct DraftedTree {
     /// Grown ahead by pipelined drafting and taken over when the verdict confirmed its
     /// assumption, rather than grown after the verdict.
     resumed: bool,
+    /// Per node of the tree as drafted: its token's draft probability at its parent (1 for the
+    /// root), and, for a node the draft expanded, the probability of its likeliest token that
+    /// is not one of its children (NaN where not expanded). What pipelined drafting ranks its
+    /// candidate verdicts by (docs/ALGORITHMS.md §10).
+    confidence: Vec<f32>,
+    runner_up: Vec<f32>,
 }
 
 impl DraftedTree {
@@ -73,10 +79,13 @@ impl DraftedTree {
         (&self.drafted, path)
     }
 
-    /// The `n` nodes of the tree as drafted where the accepted path most likely ends under
-    /// acceptance vector `p`: the candidates pipelined drafting grows the next tree for.
+    /// The `n` nodes of the tree as drafted whose verdicts pipelined drafting most likely
+    /// guesses right (docs/ALGORITHMS.md §10): the candidates it grows the next tree for.
+    /// `p`: the acceptance vector, whose rank-1 rate stands for the chance that the draft's
+    /// likeliest token at a node it did not expand is the target's.
     pub fn likeliest_ends(&self, p: &[f64], n: usize) -> Vec<usize> {
-        likeliest_ends(&self.drafted, p, n)
+        let top = p.first().copied().unwrap_or(0.0);
+        likeliest_hits(&self.drafted, &self.confidence, &self.runner_up, top, n)
     }
 
     /// Nodes 0..forwarded() went through the draft model; 0 for a root-only tree.
@@ -327,6 +336,9 @@ struct Growth {
     shape_of: Vec<usize>,
     /// q of every expanded node, in expansion order (T > 0 only).
     dists: Vec<SparseDist>,
+    /// Per node: see [`DraftedTree`]'s fields of the same names.
+    confidence: Vec<f32>,
+    runner_up: Vec<f32>,
     /// First node of the level the next forward processes.
     level_start: usize,
     /// Nodes 0..forwarded are in the draft's cache.
@@ -343,6 +355,8 @@ impl Growth {
             tokens: vec![root],
             shape_of: vec![0],
             dists: Vec::new(),
+            confidence: vec![1.0],
+            runner_up: vec![f32::NAN],
             level_start: 0,
             forwarded: 0,
             rng: SessionRng::new(seed, draft_tree_stream(position as u64)),
@@ -372,19 +386,39 @@ impl Growth {
         for (i, &v) in expand.iter().enumerate() {
             let row = logits.row(first_row + i);
             let want = self.shape.children(self.shape_of[v]);
-            let kids = if params.is_greedy() {
-                greedy_top_k(row, want.len())
+            let (kids, probs, runner_up) = if params.is_greedy() {
+                // One more than the children: the likeliest token left out, for pipelining.
+                let mut top = greedy_top_k(row, want.len() + 1);
+                let q = Softmax::of(row);
+                let runner_up = if top.len() > want.len() {
+                    top.pop().map_or(0.0, |t| q.prob(row, t))
+                } else {
+                    0.0
+                };
+                let probs: Vec<f32> = top.iter().map(|&t| q.prob(row, t)).collect();
+                (top, probs, runner_up)
             } else {
                 let dense = probs_from_logits(row, params);
                 let q = SparseDist::top_k_of(&dense, wire_top_k);
                 let kids = sample_without_replacement(&q, want.len(), &mut self.rng);
+                let probs: Vec<f32> = kids.iter().map(|&t| q.prob(t)).collect();
+                let runner_up = q
+                    .tokens
+                    .iter()
+                    .zip(&q.probs)
+                    .filter(|(t, _)| !kids.contains(t))
+                    .map(|(_, &p)| p)
+                    .fold(0.0f32, f32::max);
                 self.dists.push(q);
-                kids
+                (kids, probs, runner_up)
             };
-            for (r, tok) in kids.into_iter().enumerate() {
+            self.runner_up[v] = runner_up;
+            for (r, (tok, prob)) in kids.into_iter().zip(probs).enumerate() {
                 self.parents.push(v as i32);
                 self.tokens.push(tok);
                 self.shape_of.push(want[r] as usize);
+                self.confidence.push(prob);
+                self.runner_up.push(f32::NAN);
             }
         }
         self.forwarded = level_end;
@@ -416,6 +450,41 @@ impl Growth {
             forwarded: self.forwarded,
             position: self.position,
             resumed: false,
+            confidence: self.confidence,
+            runner_up: self.runner_up,
+        }
+    }
+}
+
+/// The draft's softmax (temperature 1) over one row of logits, for the probabilities of a few
+/// tokens: how sure the draft is of them, whatever the request's temperature.
+struct Softmax {
+    max: f32,
+    sum: f32,
+}
+
+impl Softmax {
+    fn of(row: &[f32]) -> Self {
+        let max = row
+            .iter()
+            .copied()
+            .filter(|x| x.is_finite())
+            .fold(f32::NEG_INFINITY, f32::max);
+        let sum = row
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| (x - max).exp())
+            .sum();
+        Self { max, sum }
+    }
+
+    /// Probability of `token`; 0 where the row gives no usable distribution.
+    fn prob(&self, row: &[f32], token: u32) -> f32 {
+        let p = (row[token as usize] - self.max).exp() / self.sum;
+        if p.is_finite() {
+            p
+        } else {
+            0.0
         }
     }
 }

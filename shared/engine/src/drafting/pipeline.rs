@@ -73,33 +73,49 @@ impl Speculation {
     }
 }
 
-/// The `n` nodes of `tree` where the accepted path most likely ends, likeliest first, under
-/// the acceptance vector `p` (p[r] = probability that a node's rank-r child is accepted, the
-/// planner's model, docs/ALGORITHMS.md §2): the path reaches v with probability f(v), the
-/// product of its ranks' p, and stops there when none of v's children is accepted.
-pub fn likeliest_ends(tree: &Tree, p: &[f64], n: usize) -> Vec<usize> {
+/// The `n` nodes of `tree` whose verdicts are likeliest to be guessed right, likeliest first:
+/// the candidates pipelined drafting grows the next tree for (docs/ALGORITHMS.md §10).
+///
+/// The draft's own probabilities stand for the target's: a node is accepted with its
+/// `confidence` (its token's draft probability at its parent), so the path reaches v with the
+/// product f(v) along it. A verdict that ends at v is guessed right when the target's next token
+/// is the draft's guess there: for a node the draft expanded, the likeliest token that is not
+/// one of its children, with probability `runner_up[v]`; for one it did not, the draft's
+/// likeliest token, right with probability `top` (the rank-1 acceptance rate). The score of v is
+/// f(v) times that. Unlike a rank-based acceptance vector, this follows the tree at hand: a node
+/// the draft was unsure of is a likely end, one it was sure of an unlikely one.
+pub fn likeliest_hits(
+    tree: &Tree,
+    confidence: &[f32],
+    runner_up: &[f32],
+    top: f64,
+    n: usize,
+) -> Vec<usize> {
     let mut reach = vec![0.0f64; tree.len()];
     reach[0] = 1.0;
     for v in 0..tree.len() {
-        for (r, &c) in tree.children(v).iter().enumerate() {
-            reach[c as usize] = reach[v] * p.get(r).copied().unwrap_or(0.0);
+        for &c in tree.children(v) {
+            let q = confidence.get(c as usize).copied().unwrap_or(0.0) as f64;
+            reach[c as usize] = reach[v] * q.clamp(0.0, 1.0);
         }
     }
-    let mut ends: Vec<(f64, usize)> = (0..tree.len())
+    let mut scored: Vec<(f64, usize)> = (0..tree.len())
         .map(|v| {
-            let kids = tree.children(v).len();
-            let taken: f64 = p.iter().take(kids).sum();
-            (reach[v] * (1.0 - taken).max(0.0), v)
+            let guess = match runner_up.get(v) {
+                Some(&r) if r.is_finite() => r as f64,
+                _ => top,
+            };
+            (reach[v] * guess.clamp(0.0, 1.0), v)
         })
         .collect();
     // Likeliest first; ties to the lower index, so the choice is deterministic.
-    ends.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-    ends.into_iter().take(n).map(|(_, v)| v).collect()
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    scored.into_iter().take(n).map(|(_, v)| v).collect()
 }
 
 impl DraftSession {
     /// Grow the next tree (of `shape`) ahead for the `ends` of `drafted` (node indices of the
-    /// tree as drafted, e.g. from [`likeliest_ends`]), one draft forward per level, until
+    /// tree as drafted, e.g. from [`likeliest_hits`]), one draft forward per level, until
     /// every candidate's tree is complete or `stop` is set (checked before each forward; the
     /// verdict's arrival sets it) or `max_forwards` forwards ran. Call right after `grow` returned `drafted`, before its
     /// commit. Stops early, with what it has, when the cache has no room.
@@ -264,5 +280,34 @@ impl DraftSession {
         growth.forwarded = c.slots.len();
         self.ready = Some(growth);
         Ok(SpeculationOutcome::Hit)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts_are_ranked_by_the_drafts_own_probabilities() {
+        // Root → a (sure, 0.95) → b (unsure, 0.3), a leaf the draft did not expand. The root's
+        // runner-up is 0.03, a's 0.6.
+        let tree = Tree::from_parents(&[-1, 0, 1]).unwrap();
+        let confidence = [1.0, 0.95, 0.3];
+        let runner_up = [0.03, 0.6, f32::NAN];
+        // Scores: root 0.03; a 0.95 · 0.6 = 0.57; b 0.95 · 0.3 · 0.8 = 0.228.
+        assert_eq!(
+            likeliest_hits(&tree, &confidence, &runner_up, 0.8, 3),
+            vec![1, 2, 0]
+        );
+        // A draft that is sure of b makes the leaf the likeliest verdict.
+        let confidence = [1.0, 0.95, 0.9];
+        assert_eq!(
+            likeliest_hits(&tree, &confidence, &runner_up, 0.8, 2),
+            vec![2, 1]
+        );
+        // Missing or nonsense figures count as impossible, never as certain.
+        let none: [f32; 0] = [];
+        let picked = likeliest_hits(&tree, &none, &[f32::NAN, 7.0, -1.0], 0.5, 3);
+        assert_eq!(picked, vec![0, 1, 2]);
     }
 }
