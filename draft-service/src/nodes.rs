@@ -110,6 +110,14 @@ impl VerifyNode {
         Ok(info)
     }
 
+    /// Whether the node runs on this machine with CPUs this process may use too (from its last
+    /// `Info`; false when unknown).
+    pub async fn shares_cpus(&self) -> bool {
+        self.info.lock().await.as_ref().is_some_and(|i| {
+            sequoia_server::host::shares_cpus_with_this_process(&i.machine_id, &i.cpus)
+        })
+    }
+
     /// Take the node out of the choice until a health check reaches it again.
     pub fn mark_unreachable(&self) {
         if self.healthy.swap(false, Ordering::SeqCst) {

@@ -148,3 +148,37 @@ fn pipelined_sampling_follows_the_target_distribution() {
         eprintln!("T {t}: {n3} third tokens, {hits} from trees grown ahead, worst {s3:.2}σ");
     }
 }
+
+/// A verify node on this machine with overlapping CPUs (here: the same process) competes with
+/// the draft for cores, so requests that leave `pipeline` unset do not draft ahead there unless
+/// `pipeline.on_shared_cpus` says so; the output is the same either way.
+#[test]
+fn by_default_no_drafting_ahead_against_a_node_on_the_same_cpus() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_config(&pair.target));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let run = |on_shared_cpus: bool| {
+        let mut config = draft_config(&pair.draft, &[verify.url()], 8, 4);
+        config.pipeline.on_shared_cpus = on_shared_cpus;
+        let draft = start_draft(config);
+        let got = rt
+            .block_on(within(
+                120,
+                generate(&draft.url(), request(PROMPTS[2], 40, 0.0, 1)),
+            ))
+            .expect("generation succeeds");
+        let s = got.summary.clone().expect("summary");
+        (got.tokens, s.pipeline_hits + s.pipeline_misses)
+    };
+    let (shared_tokens, shared_ahead) = run(false);
+    let (forced_tokens, forced_ahead) = run(true);
+    assert_eq!(shared_tokens, forced_tokens);
+    assert_eq!(
+        shared_ahead, 0,
+        "drafted ahead against a node on its own CPUs"
+    );
+    assert!(
+        forced_ahead > 0,
+        "pipeline.on_shared_cpus = true must draft ahead"
+    );
+}

@@ -427,6 +427,8 @@ impl Verifier for VerifierService {
             min_protocol_version: limits::MIN_PROTOCOL_VERSION,
             device: mi.device.clone(),
             batch_invariant: mi.batch_invariant,
+            machine_id: sequoia_server::host::machine_id().unwrap_or_default(),
+            cpus: sequoia_server::host::allowed_cpus(),
         }))
     }
 

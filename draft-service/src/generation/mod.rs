@@ -131,7 +131,7 @@ async fn generate(
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
         g.add_lookup(&mut drafted, room);
-        let (verdict, ahead) = if prep.pipeline {
+        let (verdict, ahead) = if g.pipeline {
             let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, room).await?;
             draft = back;
             (verdict, ahead)
@@ -223,6 +223,9 @@ struct Generation<'a> {
     /// Pipelined drafting: steps whose tree had been grown ahead, steps where it had not
     /// (though the step before tried), the draft time those misses cost, and the time spent
     /// drafting ahead during the last verification (until the next tree shows hit or miss).
+    /// Pipelined drafting (docs/ALGORITHMS.md §10): the request's choice, else the configured
+    /// default unless the verify node shares this node's CPUs.
+    pipeline: bool,
     pipeline_hits: u32,
     pipeline_misses: u32,
     pipeline_wasted: Duration,
@@ -299,7 +302,14 @@ impl<'a> Generation<'a> {
             ..StepTimes::default()
         };
         let costs = node_costs(state, link.node()).await?;
-        let hit = prep.pipeline.then(|| pipeline_hit_rate(0, 0));
+        let pipeline = match prep.pipeline {
+            Some(asked) => asked,
+            None => {
+                let cfg = &state.config.pipeline;
+                cfg.enabled && (cfg.on_shared_cpus || !link.node().shares_cpus().await)
+            }
+        };
+        let hit = pipeline.then(|| pipeline_hit_rate(0, 0));
         let plan = plan(
             state,
             costs.as_ref(),
@@ -324,6 +334,7 @@ impl<'a> Generation<'a> {
             lookup_proposed: 0,
             lookup_accepted: 0,
             drafted: 0,
+            pipeline,
             pipeline_hits: 0,
             pipeline_misses: 0,
             pipeline_wasted: Duration::ZERO,
@@ -446,8 +457,7 @@ impl<'a> Generation<'a> {
     /// tree for, from this generation's hits and misses so far (what the planner's step time
     /// assumes). None when the request does not pipeline.
     fn pipeline_hit(&self) -> Option<f64> {
-        self.prep
-            .pipeline
+        self.pipeline
             .then(|| pipeline_hit_rate(self.pipeline_hits, self.pipeline_misses))
     }
 

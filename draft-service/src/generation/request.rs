@@ -20,8 +20,9 @@ pub struct Prepared {
     pub max_tokens: usize,
     pub seed: u64,
     pub stop: Vec<String>,
-    /// Pipelined drafting for this request (the request's choice, else the configured default).
-    pub pipeline: bool,
+    /// Pipelined drafting as the request asks; None: the configured default, decided against
+    /// the verify node the generation gets (`PipelineConfig::on_shared_cpus`).
+    pub pipeline: Option<bool>,
 }
 
 /// Validate a request (INVALID_ARGUMENT naming the field) and tokenize its prompt.
@@ -147,7 +148,7 @@ pub fn prepare(state: &DraftState, req: &GenerateRequest) -> Result<Prepared, St
     Ok(Prepared {
         prompt_tokens,
         forced_tree,
-        pipeline: req.pipeline.unwrap_or(state.config.pipeline.enabled),
+        pipeline: req.pipeline,
         params: wire::sampling_params(req.temperature, req.top_p, req.top_k),
         max_tokens,
         seed: req.seed.unwrap_or_else(rand_seed),

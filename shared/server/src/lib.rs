@@ -8,6 +8,7 @@
 //! - [`security`]: TLS, mutual TLS, bearer tokens, the plaintext health-probe endpoint;
 //! - [`metrics`]: the Prometheus series both services record;
 //! - [`admission`]: the concurrent-slot limit both services enforce;
+//! - [`host`]: the machine and CPUs a service runs on (whether two nodes share cores);
 //! - [`wire`]: conversions between protobuf messages and `sequoia-core` types.
 //!
 //! **Must not depend on** `sequoia-engine` (candle): plumbing changes must not rebuild the model
@@ -15,6 +16,7 @@
 
 pub mod admission;
 pub mod config;
+pub mod host;
 pub mod metrics;
 pub mod process;
 pub mod security;
