@@ -328,9 +328,10 @@ impl Planner {
         if !(predicted_ms.is_finite() && observed_ms.is_finite()) {
             return;
         }
+        // One step moves it by at most half its prediction's worth: a stall is not a trend.
+        let error = (observed_ms - predicted_ms).clamp(-predicted_ms / 2.0, predicted_ms / 2.0);
         let mut extra = self.step_extra_ms.lock().unwrap();
-        *extra =
-            (*extra + STEP_EXTRA_GAIN * (observed_ms - predicted_ms)).clamp(0.0, MAX_STEP_EXTRA_MS);
+        *extra = (*extra + STEP_EXTRA_GAIN * error).clamp(0.0, MAX_STEP_EXTRA_MS);
     }
 
     /// A stretch without tree steps (the decode fallback) observes nothing of the per-step

@@ -472,14 +472,16 @@ impl<'a> Generation<'a> {
         match &self.prep.forced_tree {
             Some(t) if t.len() <= room => t.clone(),
             // Auto mode without speculation would never see a verdict again: probe with a
-            // two-node chain once every four re-plan periods so the acceptance estimate keeps
+            // two-node chain once every two re-plan periods so the acceptance estimate keeps
             // learning (a probe costs the draft's catch-up over the tokens it skipped) — but
-            // only while a tree could pay at an optimistic acceptance (`plan.probe`).
+            // only while a tree could pay at an optimistic acceptance (`plan.probe`). Every
+            // four periods was too rare where decodes are one token each (one host): a
+            // generation whose first trees were unlucky stayed on decodes for 64 tokens.
             _ if self.plan.is_auto()
                 && self.plan.probe
                 && self.plan.shape(room).len() == 1
                 && room >= 2
-                && steps % (4 * every) == 4 * every - 1 =>
+                && steps % (2 * every) == 2 * every - 1 =>
             {
                 Tree::chain(2)
             }
@@ -491,7 +493,8 @@ impl<'a> Generation<'a> {
     /// learns what its step-time model misses (`Planner::observe_step`) from steps of the
     /// plan's own tree. Not from probes (another shape), nor from the first tree after a
     /// decode, whose draft first caught up over the decoded tokens (the switch's cost, not a
-    /// step's).
+    /// step's), nor from a generation's first step (first touches of its caches on both nodes:
+    /// on a fresh service one slow first step put the demo on decodes).
     fn observe_step(&self, shape: &Tree, took: Duration) {
         let plan = &self.plan;
         if let (Some(pred), true) = (
@@ -499,7 +502,8 @@ impl<'a> Generation<'a> {
             plan.is_auto()
                 && plan.decode_tokens.is_none()
                 && shape.len() == plan.full_size()
-                && self.caught_up <= 1,
+                && self.caught_up <= 1
+                && self.steps() > 1,
         ) {
             self.state
                 .planner
