@@ -220,12 +220,12 @@ struct Generation<'a> {
     lookup_accepted: u64,
     /// Drafted tokens verified so far (tree nodes minus roots).
     drafted: u64,
-    /// Pipelined drafting: steps whose tree had been grown ahead, steps where it had not
-    /// (though the step before tried), the draft time those misses cost, and the time spent
-    /// drafting ahead during the last verification (until the next tree shows hit or miss).
     /// Pipelined drafting (docs/ALGORITHMS.md §10): the request's choice, else the configured
     /// default unless the verify node shares this node's CPUs.
     pipeline: bool,
+    /// Pipelined drafting: steps whose tree had been grown ahead, steps where it had not
+    /// (though the step before tried), the draft time those misses cost, and the time spent
+    /// drafting ahead during the last verification (until the next tree shows hit or miss).
     pipeline_hits: u32,
     pipeline_misses: u32,
     pipeline_wasted: Duration,

@@ -457,7 +457,8 @@ impl Growth {
 }
 
 /// The draft's softmax (temperature 1) over one row of logits, for the probabilities of a few
-/// tokens: how sure the draft is of them, whatever the request's temperature.
+/// tokens: how sure a greedy draft is of them (greedy drafting picks by logit and computes no
+/// distribution; at T > 0 the q it sends serves instead).
 struct Softmax {
     max: f32,
     sum: f32,
