@@ -471,11 +471,7 @@ impl Softmax {
             .copied()
             .filter(|x| x.is_finite())
             .fold(f32::NEG_INFINITY, f32::max);
-        let sum = row
-            .iter()
-            .filter(|x| x.is_finite())
-            .map(|&x| (x - max).exp())
-            .sum();
+        let sum = crate::attention::sum_exp(row, max);
         Self { max, sum }
     }
 
