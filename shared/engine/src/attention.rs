@@ -16,6 +16,7 @@
 //! Visibility (the tree or causal mask) is a bitset over the new tokens ([`Visibility`]), never
 //! an `n × (prefix + n)` float matrix.
 
+use crate::vecmath::exp_nonpositive;
 use candle_core::{Result, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -268,34 +269,6 @@ pub(crate) fn attend(
     Ok(out)
 }
 
-/// `e^x` for `x ≤ 0` (a score minus the row's max), within about one ulp of `expf`; 0 below
-/// the smallest normal result (and for −∞). Straight-line f32 arithmetic, so a loop over a
-/// row's scores vectorizes (a scalar `expf` call per key was most of the attention time at
-/// long contexts). Range reduction by ln 2 in two parts, then a degree-6 polynomial on
-/// [−ln2/2, ln2/2], the classic single-precision scheme.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const MIN: f32 = -87.0;
-    let xc = x.max(MIN);
-    let n = (xc * LOG2E + 0.5).floor();
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let z = r * r;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 5.000_000_1e-1;
-    let y = p * z + r + 1.0;
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if x < MIN {
-        0.0
-    } else {
-        y * scale
-    }
-}
-
 /// Sum in a fixed order: eight running sums by position, combined in a fixed order. The
 /// position of every term is the same for a query whatever else shares its forward (the
 /// scores are compacted to the visible keys first), so the sum is too.
@@ -499,21 +472,6 @@ mod tests {
         let mut broken = row.clone();
         broken.extend([f32::NAN, f32::NEG_INFINITY, f32::INFINITY]);
         assert_eq!(sum_exp(&broken, max), sum_exp(&row, max));
-    }
-
-    /// The polynomial exponential stays within 2 ulp of the library's over the range scores
-    /// minus their max take, and is 0 for −∞.
-    #[test]
-    fn exp_matches_the_library() {
-        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_nonpositive(0.0), 1.0);
-        let mut x = 0f32;
-        while x > -87.0 {
-            let (got, want) = (exp_nonpositive(x), x.exp());
-            let ulps = (got.to_bits() as i64 - want.to_bits() as i64).abs();
-            assert!(ulps <= 2, "exp({x}) = {got}, library {want} ({ulps} ulp)");
-            x -= 0.0137;
-        }
     }
 
     fn rand(len: usize, seed: u64) -> Vec<f32> {

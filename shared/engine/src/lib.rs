@@ -59,6 +59,7 @@ pub mod random;
 pub mod roofline;
 pub mod testing;
 pub mod tokenizer;
+mod vecmath;
 mod weights;
 
 use std::sync::OnceLock;

@@ -307,14 +307,10 @@ struct Mlp {
 impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if let Some([g, u]) = project_fused([&self.gate, &self.up], [&None, &None], x)? {
-            // silu(g) ⊙ u in one pass over the two outputs (same formula as candle's silu).
+            // silu(g) ⊙ u in one vectorized pass over the two outputs.
             let rows = x.dims2()?.0;
             let width = g.len() / rows.max(1);
-            let h: Vec<f32> = g
-                .iter()
-                .zip(&u)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                .collect();
+            let h = super::vecmath::silu_mul(&g, &u);
             return self
                 .down
                 .forward(&Tensor::from_vec(h, (rows, width), x.device())?);
