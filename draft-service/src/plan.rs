@@ -52,6 +52,11 @@ pub struct ActivePlan {
     /// No speculation, served by the decode fallback: the verify node decodes up to this many
     /// tokens per round trip (docs/ALGORITHMS.md §5.5). None: trees (root-only ones included).
     pub decode_tokens: Option<usize>,
+    /// Pipelined drafting: the budget (nodes, levels) of the tree sent when none was grown
+    /// ahead for the verdict, and its prediction (docs/ALGORITHMS.md §10). None: the planned
+    /// tree either way.
+    miss: Option<(usize, usize)>,
+    pub miss_prediction: Option<Prediction>,
 }
 
 impl ActivePlan {
@@ -61,8 +66,20 @@ impl ActivePlan {
     }
 
     fn fixed(p: &[f64], nodes: usize, levels: usize) -> Result<Self, PlanError> {
+        Self::with_miss(p, nodes, levels, None)
+    }
+
+    /// [`fixed`](Self::fixed), with a separate tree budget for pipelined misses.
+    fn with_miss(
+        p: &[f64],
+        nodes: usize,
+        levels: usize,
+        miss: Option<(usize, usize)>,
+    ) -> Result<Self, PlanError> {
         let (nodes, levels) = (nodes.max(1), levels.max(1));
-        let dp = SequoiaDp::solve(p, nodes, levels)?;
+        let miss = miss.map(|(n, l)| (n.max(1), l.max(1)));
+        let (mn, ml) = miss.unwrap_or((1, 1));
+        let dp = SequoiaDp::solve(p, nodes.max(mn), levels.max(ml))?;
         let full_size = dp.tree(nodes, levels).len();
         Ok(Self {
             dp,
@@ -74,12 +91,24 @@ impl ActivePlan {
             mode: TreeMode::Fixed,
             probe: false,
             decode_tokens: None,
+            miss,
+            miss_prediction: None,
         })
     }
 
     /// The planned tree, shrunk to at most `room` nodes.
     pub fn shape(&self, room: usize) -> Tree {
         self.dp.tree(room.clamp(1, self.nodes), self.levels)
+    }
+
+    /// Pipelined drafting: the tree to draft when none was grown ahead for this step (a
+    /// miss), shrunk to at most `room` nodes; the planned tree when the plan has no separate
+    /// one.
+    pub fn miss_shape(&self, room: usize) -> Tree {
+        match self.miss {
+            Some((n, l)) => self.dp.tree(room.clamp(1, n), l),
+            None => self.shape(room),
+        }
     }
 
     /// Nodes of the full-size tree (what `shape` gives when the context has room).
@@ -427,7 +456,10 @@ impl Planner {
         let auto = choose_with_fallback(&profile, &p, nodes, levels, q, pipeline_hit, decode)
             .map_err(|e| e.to_string())?;
         let best = auto.best;
-        let mut plan = ActivePlan::fixed(&p, best.nodes, best.levels).map_err(|e| e.to_string())?;
+        let miss = auto.miss.as_ref().map(|m| (m.nodes, m.levels));
+        let mut plan =
+            ActivePlan::with_miss(&p, best.nodes, best.levels, miss).map_err(|e| e.to_string())?;
+        plan.miss_prediction = auto.miss;
         if best.nodes == 1 {
             let optimistic = self.counts(greedy).lock().unwrap().upper_estimate(
                 &self.cfg.acceptance,

@@ -126,10 +126,11 @@ async fn generate(
                 Delivered::ClientGone => return Ok(()),
             }
         }
-        let shape = g.next_shape(room);
+        let shape = g.step_shape(room, &draft);
         let t_step = Instant::now();
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
+        let hit = drafted.was_drafted_ahead();
         g.add_lookup(&mut drafted, room);
         let (verdict, ahead) = if g.pipeline {
             let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, room).await?;
@@ -139,7 +140,7 @@ async fn generate(
             (g.verify(&drafted).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
-        g.observe_step(&shape, t_step.elapsed());
+        g.observe_step(&shape, hit, t_step.elapsed());
         match g.deliver(&emitted, &mut out, tx).await? {
             Delivered::More => {}
             Delivered::Finished(f) => break f,
@@ -466,6 +467,21 @@ impl<'a> Generation<'a> {
         self.shape_at(room, self.steps())
     }
 
+    /// The tree to draft this step: the plan's, or, when pipelining and the draft holds no
+    /// tree grown ahead for this root (a miss, or the first step), the plan's miss tree:
+    /// drafted while the verify node waits, it is sized for that (docs/ALGORITHMS.md §10).
+    fn step_shape(&self, room: usize, draft: &DraftSession) -> Tree {
+        let planned = self.next_shape(room);
+        if !self.pipeline
+            || planned.len() < 2
+            || self.prep.forced_tree.is_some()
+            || draft.holds_ahead(self.root, &planned)
+        {
+            return planned;
+        }
+        self.plan.miss_shape(room)
+    }
+
     /// The tree to draft at step `steps` (steps verified before it) with `room` tokens left.
     fn shape_at(&self, room: usize, steps: u32) -> Tree {
         let every = self.state.planner.replan_every();
@@ -495,19 +511,30 @@ impl<'a> Generation<'a> {
     /// decode, whose draft first caught up over the decoded tokens (the switch's cost, not a
     /// step's), nor from a generation's first step (first touches of its caches on both nodes:
     /// on a fresh service one slow first step put the demo on decodes).
-    fn observe_step(&self, shape: &Tree, took: Duration) {
+    /// With pipelining, a step is compared with the prediction of its kind: a hit with the
+    /// planned tree's overlapped step, a miss with the miss tree's step.
+    fn observe_step(&self, shape: &Tree, hit: bool, took: Duration) {
         let plan = &self.plan;
-        if let (Some(pred), true) = (
-            &plan.prediction,
-            plan.is_auto()
-                && plan.decode_tokens.is_none()
-                && shape.len() == plan.full_size()
-                && self.caught_up <= 1
-                && self.steps() > 1,
-        ) {
+        if !(plan.is_auto()
+            && plan.decode_tokens.is_none()
+            && self.caught_up <= 1
+            && self.steps() > 1)
+        {
+            return;
+        }
+        let Some(pred) = &plan.prediction else {
+            return;
+        };
+        let predicted = match (pred.hit_step_ms, &plan.miss_prediction) {
+            (Some(hit_ms), _) if hit && shape.len() == plan.full_size() => Some(hit_ms),
+            (Some(_), Some(miss)) if !hit && shape.len() == miss.nodes => Some(miss.step_ms),
+            (Some(_), _) => None,
+            (None, _) => (shape.len() == plan.full_size()).then_some(pred.step_ms),
+        };
+        if let Some(ms) = predicted {
             self.state
                 .planner
-                .observe_step(pred.step_ms, took.as_secs_f64() * 1e3);
+                .observe_step(ms, took.as_secs_f64() * 1e3);
         }
     }
 

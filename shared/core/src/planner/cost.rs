@@ -162,6 +162,11 @@ pub struct Prediction {
     /// Pipelined drafting: the hit probability the step time assumed (None = not pipelined).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline_hit: Option<f64>,
+    /// Pipelined drafting: the time of a step whose tree was grown ahead (a hit), the longer
+    /// of the next tree's draft and this tree's round trip. `step_ms` is the expectation over
+    /// hits and misses.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hit_step_ms: Option<f64>,
 }
 
 /// Prior hit probability of pipelined drafting before a generation has verified a step.
@@ -241,11 +246,12 @@ pub fn predict_pipelined(
         profile.verify.at(tree.len()),
     );
     let round_trip = network_ms + verify_ms + profile.overhead_ms;
+    // The root alone drafts nothing, so there is nothing to overlap.
+    let pipeline_hit = pipeline_hit.filter(|_| tree.len() > 1);
     let step_ms = profile.step_extra_ms
         + match pipeline_hit {
-            // The root alone drafts nothing, so there is nothing to overlap.
-            Some(hit) if tree.len() > 1 => pipelined_step_ms(hit, draft_ms, round_trip, draft_ms),
-            _ => draft_ms + round_trip,
+            Some(hit) => pipelined_step_ms(hit, draft_ms, round_trip, draft_ms),
+            None => draft_ms + round_trip,
         };
     Prediction {
         nodes: tree.len(),
@@ -258,7 +264,8 @@ pub fn predict_pipelined(
         step_ms,
         speedup: g * profile.verify.at(1) / step_ms,
         parents: tree.parents().to_vec(),
-        pipeline_hit: pipeline_hit.filter(|_| tree.len() > 1),
+        pipeline_hit,
+        hit_step_ms: pipeline_hit.map(|_| profile.step_extra_ms + draft_ms.max(round_trip)),
     }
 }
 
@@ -270,6 +277,12 @@ pub struct AutoPlan {
     pub speculate: bool,
     /// Best prediction for each node budget tried (the curve behind the choice).
     pub by_size: Vec<Prediction>,
+    /// Pipelined drafting: the tree to send when no tree was grown ahead for the verdict (a
+    /// miss, or a generation's first step), priced without overlap (its `step_ms` is the
+    /// miss step's time). `best`'s `step_ms` and `expected_tokens` then average the hit
+    /// step (`best`'s tree) and the miss step (this tree). None without pipelining or
+    /// speculation.
+    pub miss: Option<Prediction>,
 }
 
 /// Search sizes 1..=`max_nodes` and depths 1..=`max_levels` for the highest predicted speedup.
@@ -298,6 +311,50 @@ pub fn choose_pipelined(
     let max_nodes = max_nodes.clamp(1, crate::limits::MAX_PLANNED_NODES);
     let max_levels = max_levels.clamp(1, crate::limits::MAX_TREE_LEVELS);
     let dp = SequoiaDp::solve(p, max_nodes, max_levels)?;
+    let by_size = best_by_size(
+        profile,
+        p,
+        &dp,
+        max_nodes,
+        max_levels,
+        q_entries,
+        pipeline_hit,
+    );
+    let mut best = by_size
+        .iter()
+        .max_by(|a, b| a.speedup.total_cmp(&b.speedup))
+        .cloned()
+        .expect("at least one size");
+    let mut miss = None;
+    if let (Some(hit), true) = (pipeline_hit, best.nodes > 1) {
+        let plain = best_by_size(profile, p, &dp, max_nodes, max_levels, q_entries, None);
+        if let Some((h, m)) = with_miss_tree(profile, hit, &by_size, &plain) {
+            best = h;
+            miss = Some(m);
+        }
+    }
+    // The root alone is plain decoding through the pair; it wins whenever no tree pays for
+    // itself (its predicted speedup is below 1 by exactly the network and overhead it adds).
+    let speculate = best.nodes > 1;
+    Ok(AutoPlan {
+        best,
+        speculate,
+        by_size,
+        miss,
+    })
+}
+
+/// For each node budget 1..=`max_nodes`, the depth with the highest predicted speedup (for
+/// n > 1 among the trees that speculate).
+fn best_by_size(
+    profile: &Profile,
+    p: &[f64],
+    dp: &SequoiaDp,
+    max_nodes: usize,
+    max_levels: usize,
+    q_entries: usize,
+    pipeline_hit: Option<f64>,
+) -> Vec<Prediction> {
     let mut by_size: Vec<Prediction> = Vec::with_capacity(max_nodes);
     for n in 1..=max_nodes {
         let mut best_here: Option<Prediction> = None;
@@ -318,19 +375,66 @@ pub fn choose_pipelined(
             by_size.push(b);
         }
     }
-    let best = by_size
-        .iter()
-        .max_by(|a, b| a.speedup.total_cmp(&b.speedup))
-        .cloned()
-        .expect("at least one size");
-    // The root alone is plain decoding through the pair; it wins whenever no tree pays for
-    // itself (its predicted speedup is below 1 by exactly the network and overhead it adds).
-    let speculate = best.nodes > 1;
-    Ok(AutoPlan {
-        best,
-        speculate,
-        by_size,
-    })
+    by_size
+}
+
+/// Pipelined drafting sends two kinds of trees: after a hit, the tree grown ahead during the
+/// last round trip (its draft time hidden); after a miss, one drafted from scratch while the
+/// verify node waits. A large tree pays on hits and costs most on misses, so the two are
+/// sized apart (docs/ALGORITHMS.md §10): over every pair (hit tree H from `pipelined`, miss
+/// tree M from `plain`, each the best of its size) the pair with the highest expected rate
+///
+/// ```text
+/// (hit · g(H) + (1 − hit) · g(M)) / (hit · t_hit(H) + (1 − hit) · t_miss(M))
+/// ```
+///
+/// with `t_hit(H)` the longer of H's draft and its round trip and `t_miss(M)` M's draft plus
+/// round trip. Returns H's prediction with that expected step time, tokens and speedup, and
+/// M's own; None when the hit tree would be the root alone. Taking M = H recovers the plan
+/// without a separate miss tree, so the result is never predicted slower than it.
+fn with_miss_tree(
+    profile: &Profile,
+    hit: f64,
+    pipelined: &[Prediction],
+    plain: &[Prediction],
+) -> Option<(Prediction, Prediction)> {
+    let hit = if hit.is_finite() {
+        hit.clamp(0.0, 1.0)
+    } else {
+        PIPELINE_HIT_PRIOR
+    };
+    let t1 = profile.verify.at(1);
+    let mut best: Option<(f64, &Prediction, Prediction)> = None;
+    for h in pipelined.iter().filter(|h| h.nodes > 1) {
+        let t_hit = h.hit_step_ms?;
+        // H itself after a miss: drafted after the verdict, nothing overlapped.
+        let same = Prediction {
+            step_ms: h.draft_ms + h.network_ms + h.verify_ms + h.overhead_ms,
+            pipeline_hit: None,
+            hit_step_ms: None,
+            ..h.clone()
+        };
+        let same = Prediction {
+            speedup: same.expected_tokens * t1 / same.step_ms,
+            ..same
+        };
+        // The root alone as the miss tree would never pipeline again (it drafts nothing to
+        // grow the next tree from), so misses send trees.
+        for m in plain.iter().filter(|m| m.nodes > 1).chain([&same]) {
+            let tokens = hit * h.expected_tokens + (1.0 - hit) * m.expected_tokens;
+            let ms = hit * t_hit + (1.0 - hit) * m.step_ms;
+            let rate = tokens / ms;
+            if rate.is_finite() && best.as_ref().is_none_or(|(r, _, _)| rate > *r) {
+                best = Some((rate, h, m.clone()));
+            }
+        }
+    }
+    let (rate, h, m) = best?;
+    let mut blended = h.clone();
+    blended.expected_tokens = hit * h.expected_tokens + (1.0 - hit) * m.expected_tokens;
+    blended.step_ms = blended.expected_tokens / rate;
+    blended.speedup = rate * t1;
+    Some((blended, m))
 }
 
 /// The decode fallback (docs/ALGORITHMS.md §5.5): when no tree pays, the verify node decodes
@@ -383,6 +487,7 @@ pub fn predict_decode(profile: &Profile, k: usize) -> Prediction {
         speedup: verify_ms / step_ms,
         parents: vec![-1],
         pipeline_hit: None,
+        hit_step_ms: None,
     }
 }
 
@@ -410,6 +515,7 @@ pub fn choose_with_fallback(
     if plan.best.nodes == 1 || fallback.speedup >= plan.best.speedup {
         plan.best = fallback;
         plan.speculate = false;
+        plan.miss = None;
     }
     Ok(plan)
 }
@@ -598,6 +704,54 @@ mod tests {
             b.best.speedup,
             a.best.speedup
         );
+    }
+
+    /// Pipelined plans price a hit with the planned tree and a miss with a tree of its own;
+    /// taking the same tree for both is one of the choices, so the plan is never predicted
+    /// slower than one tree for both, and with a costly draft the miss tree is the smaller.
+    #[test]
+    fn misses_send_a_tree_sized_for_a_step_without_overlap() {
+        let p = EXAMPLE_ACCEPTANCE;
+        // One core per host: verification grows with the tree, a level of drafting costs
+        // a sixth of a decode, RTT 10 ms.
+        let prof = profile_with(
+            |n| 80.0 * (0.9 + 0.1 * n.powf(0.8)),
+            |w| 13.0 + 0.5 * w,
+            10.0,
+        );
+        for hit in [0.2, 0.45, 0.8] {
+            let plan = choose_pipelined(&prof, &p, 32, 8, 0, Some(hit)).unwrap();
+            let miss = plan
+                .miss
+                .as_ref()
+                .expect("a pipelined tree plan has a miss tree");
+            // One tree for both: the best of `by_size` (pipelined predictions).
+            let single = plan
+                .by_size
+                .iter()
+                .map(|b| b.speedup)
+                .fold(f64::MIN, f64::max);
+            assert!(plan.best.speedup >= single - 1e-12, "hit {hit}");
+            assert!(miss.nodes > 1 && miss.pipeline_hit.is_none());
+            // The expectation is the mix of the two steps it names.
+            let hit_ms = plan.best.hit_step_ms.unwrap();
+            let want = hit * hit_ms + (1.0 - hit) * miss.step_ms;
+            assert!((plan.best.step_ms - want).abs() < 1e-9 * want, "hit {hit}");
+            if hit <= 0.45 {
+                assert!(
+                    miss.draft_ms < plan.best.draft_ms,
+                    "hit {hit}: miss {} nodes / {} levels vs {} / {}; {} vs {}",
+                    miss.nodes,
+                    miss.levels,
+                    plan.best.nodes,
+                    plan.best.levels,
+                    plan.best.speedup,
+                    single
+                );
+            }
+        }
+        // Without pipelining there is no second tree.
+        assert!(choose(&prof, &p, 32, 8, 0).unwrap().miss.is_none());
     }
 
     #[test]

@@ -223,6 +223,14 @@ impl DraftSession {
     /// Grow a tree of (at most) `shape` from `root`: one draft forward per level over that
     /// level's nodes, then children by sampling without replacement from q (greedy top-b at
     /// T = 0). A node gets fewer children than planned when q has fewer tokens.
+    /// Whether a tree grown ahead (pipelined drafting) is ready for `root` in `shape`, so
+    /// that [`grow`](Self::grow) would only finish it.
+    pub fn holds_ahead(&self, root: u32, shape: &Tree) -> bool {
+        self.ready
+            .as_ref()
+            .is_some_and(|g| g.tokens[0] == root && g.shape == *shape)
+    }
+
     pub fn grow(
         &mut self,
         model: &Model,
