@@ -10,11 +10,13 @@
 //! 3. Trees in arrival order until the next one would pass `max_rows` (the first is always
 //!    taken, so a tree larger than the budget runs alone). Nobody is overtaken: a tree that does
 //!    not fit is first in the next batch.
-//! 4. Running sessions come first. In a batch with trees, prefills get `prefill_chunk` rows
-//!    together, so every running session's step costs a forward of its batch's trees plus one
-//!    small chunk, not a whole row budget of someone's prompt (that made the slowest steps at 8
-//!    sessions 10× a lone session's); a long new prompt still advances every batch. A batch of
-//!    prefills alone takes the whole row budget, so a prompt on an idle node runs at full speed.
+//! 4. Running sessions come first. While any other session is running (its tree is in the batch,
+//!    or it is between steps), prefills get `prefill_chunk` rows together, so every running
+//!    session's step costs at most a forward of its batch's trees plus one small chunk, not a
+//!    whole row budget of someone's prompt (that made the slowest steps at 8 sessions 10× a
+//!    lone session's); a long new prompt still advances every batch. When every open session
+//!    is prefilling, the prefills take the whole row budget, so a prompt on an idle node runs at
+//!    full speed.
 //!    An unfinished prefill keeps its place at the head of the queue.
 //! 5. One `Model::forward_batch`; then each tree is verified and its cache compacted, each
 //!    session gets its verdict. If the batch fails, every entry is run again on its own so one
@@ -44,8 +46,8 @@ pub struct BatchConfig {
     pub max_rows: usize,
     /// How long a batch may wait for other open sessions' trees, in microseconds.
     pub max_wait_us: u64,
-    /// Prompt tokens the prefills advance by, together, in a batch that also verifies trees
-    /// (a batch of prefills alone takes up to `max_rows`).
+    /// Prompt tokens the prefills advance by, together, per batch while other sessions are
+    /// running (when every open session is prefilling, up to `max_rows`).
     pub prefill_chunk: usize,
 }
 
@@ -105,9 +107,11 @@ enum Done {
 }
 
 /// Rows the waiting prefills may take together in a batch whose trees take `tree_rows` (module
-/// doc, step 4): a small chunk beside running sessions' trees, the whole budget without them.
-fn prefill_budget(config: &BatchConfig, tree_rows: usize) -> usize {
-    if tree_rows == 0 {
+/// doc, step 4): a small chunk while any other session is running (its trees in this batch, or
+/// it is between steps and may send one while this forward runs), the whole budget on a node
+/// with nothing but prefills to do.
+fn prefill_budget(config: &BatchConfig, tree_rows: usize, others_running: bool) -> usize {
+    if tree_rows == 0 && !others_running {
         config.max_rows.max(config.prefill_chunk)
     } else {
         config.prefill_chunk
@@ -303,7 +307,10 @@ impl Runner {
                 Work::Prefill { .. } => prefills.push(job),
             }
         }
-        let mut budget = prefill_budget(&self.config, rows);
+        // Open sessions without prefill work are running: between steps, they may send a tree
+        // any moment, and it should not wait behind a whole row budget of someone's prompt.
+        let others_running = self.admission.active() > prefills.len();
+        let mut budget = prefill_budget(&self.config, rows, others_running);
         let mut unfinished = Vec::new();
         for job in prefills {
             let Work::Prefill { tokens, done, .. } = &job.work else {
@@ -441,14 +448,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn prefills_take_a_small_chunk_beside_trees_and_the_whole_budget_alone() {
+    fn prefills_take_a_small_chunk_while_others_run_and_the_whole_budget_alone() {
         let config = BatchConfig::default();
-        assert_eq!(prefill_budget(&config, 0), config.max_rows);
-        assert_eq!(prefill_budget(&config, 5), config.prefill_chunk);
+        assert_eq!(prefill_budget(&config, 0, false), config.max_rows);
+        assert_eq!(prefill_budget(&config, 5, false), config.prefill_chunk);
+        assert_eq!(prefill_budget(&config, 5, true), config.prefill_chunk);
+        // No tree queued, but another session is between steps: its next tree must not wait
+        // behind a whole row budget of prompt.
+        assert_eq!(prefill_budget(&config, 0, true), config.prefill_chunk);
         assert!(config.prefill_chunk < config.max_rows / 2);
         // Trees that fill the row budget still leave a prefill its chunk: it always advances.
         assert_eq!(
-            prefill_budget(&config, config.max_rows),
+            prefill_budget(&config, config.max_rows, true),
             config.prefill_chunk
         );
         // A chunk larger than the budget is honoured alone too.
@@ -457,7 +468,7 @@ mod tests {
             prefill_chunk: 32,
             ..BatchConfig::default()
         };
-        assert_eq!(prefill_budget(&wide, 0), 32);
-        assert_eq!(prefill_budget(&wide, 3), 32);
+        assert_eq!(prefill_budget(&wide, 0, false), 32);
+        assert_eq!(prefill_budget(&wide, 3, true), 32);
     }
 }
