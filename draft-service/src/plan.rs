@@ -126,10 +126,12 @@ impl ActivePlan {
             parents: t.parents().to_vec(),
             nodes: t.len() as u32,
             levels: t.levels() as u32,
-            // A decode plan's step is one decode of K tokens: its prediction says so, where
-            // the tree (the root alone) would say 1.
+            // A decode plan's step is one decode of K tokens, and a pipelined plan's step is a
+            // hit with the planned tree or a miss with the miss tree: their predictions say
+            // so, where the planned tree alone would say 1 or the hit tree's tokens.
             expected_tokens_per_step: match (&self.prediction, self.decode_tokens) {
                 (Some(p), Some(_)) => p.expected_tokens,
+                (Some(p), None) if self.miss_prediction.is_some() => p.expected_tokens,
                 _ => self.expected_tokens(),
             },
             mode: self.mode.as_str().into(),
@@ -572,6 +574,40 @@ mod tests {
         )
         .unwrap();
         auto_planner([0.5, 0.6], verify)
+    }
+
+    /// A pipelined plan carries a miss tree; its reported tokens per step are the expectation
+    /// over hits and misses, and the miss tree is a tree (never the root alone).
+    #[test]
+    fn pipelined_plans_carry_a_miss_tree_and_report_the_mix() {
+        let (planner, costs) = loaded_planner();
+        let plan = planner
+            .plan(
+                Some(&costs),
+                true,
+                &RankCounts::default(),
+                Some(0.4),
+                1.0,
+                true,
+            )
+            .unwrap();
+        let pred = plan.prediction.as_ref().unwrap();
+        let miss = plan.miss_prediction.as_ref().expect("a miss tree");
+        assert!(plan.full_size() > 1 && plan.miss_shape(usize::MAX).len() > 1);
+        assert_eq!(plan.miss_shape(usize::MAX).len(), miss.nodes);
+        assert!(
+            plan.miss_shape(3).len() <= 3,
+            "the miss tree shrinks to the room left"
+        );
+        assert_eq!(
+            plan.to_proto(0).expected_tokens_per_step,
+            pred.expected_tokens
+        );
+        let plain = planner
+            .plan(Some(&costs), true, &RankCounts::default(), None, 1.0, true)
+            .unwrap();
+        assert!(plain.miss_prediction.is_none());
+        assert_eq!(plain.miss_shape(usize::MAX), plain.shape(usize::MAX));
     }
 
     #[test]
