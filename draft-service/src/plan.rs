@@ -111,6 +111,17 @@ impl ActivePlan {
         }
     }
 
+    /// The tree to draft for a step whose tree would be `planned` when the draft holds none
+    /// grown ahead for it: the miss tree if `planned` is this plan's own tree (with `room`
+    /// left), else `planned` itself (a probe, or a tree the request forced).
+    pub fn on_miss(&self, planned: Tree, room: usize) -> Tree {
+        if self.miss.is_some() && planned == self.shape(room) {
+            self.miss_shape(room)
+        } else {
+            planned
+        }
+    }
+
     /// Nodes of the full-size tree (what `shape` gives when the context has room).
     pub fn full_size(&self) -> usize {
         self.full_size
@@ -603,11 +614,17 @@ mod tests {
             plan.to_proto(0).expected_tokens_per_step,
             pred.expected_tokens
         );
+        // Only the plan's own tree is swapped after a miss: a probe (or a forced tree) is
+        // drafted as it is.
+        let own = plan.shape(usize::MAX);
+        assert_eq!(plan.on_miss(own, usize::MAX), plan.miss_shape(usize::MAX));
+        assert_eq!(plan.on_miss(Tree::chain(2), usize::MAX), Tree::chain(2));
         let plain = planner
             .plan(Some(&costs), true, &RankCounts::default(), None, 1.0, true)
             .unwrap();
         assert!(plain.miss_prediction.is_none());
         assert_eq!(plain.miss_shape(usize::MAX), plain.shape(usize::MAX));
+        assert_eq!(plain.on_miss(Tree::chain(2), 5), Tree::chain(2));
     }
 
     #[test]

@@ -470,16 +470,16 @@ impl<'a> Generation<'a> {
     /// The tree to draft this step: the plan's, or, when pipelining and the draft holds no
     /// tree grown ahead for this root (a miss, or the first step), the plan's miss tree:
     /// drafted while the verify node waits, it is sized for that (docs/ALGORITHMS.md §10).
+    /// Probes and forced trees are drafted as they are.
     fn step_shape(&self, room: usize, draft: &DraftSession) -> Tree {
         let planned = self.next_shape(room);
         if !self.pipeline
-            || planned.len() < 2
             || self.prep.forced_tree.is_some()
             || draft.holds_ahead(self.root, &planned)
         {
             return planned;
         }
-        self.plan.miss_shape(room)
+        self.plan.on_miss(planned, room)
     }
 
     /// The tree to draft at step `steps` (steps verified before it) with `room` tokens left.
