@@ -52,10 +52,9 @@ pub struct ActivePlan {
     /// No speculation, served by the decode fallback: the verify node decodes up to this many
     /// tokens per round trip (docs/ALGORITHMS.md §5.5). None: trees (root-only ones included).
     pub decode_tokens: Option<usize>,
-    /// Pipelined drafting: the budget (nodes, levels) of the tree sent when none was grown
-    /// ahead for the verdict, and its prediction (docs/ALGORITHMS.md §10). None: the planned
-    /// tree either way.
-    miss: Option<(usize, usize)>,
+    /// Pipelined drafting: the tree sent when none was grown ahead for the verdict (its
+    /// budget is `nodes`, `levels`) and its prediction (docs/ALGORITHMS.md §10). None: the
+    /// planned tree either way.
     pub miss_prediction: Option<Prediction>,
 }
 
@@ -69,16 +68,15 @@ impl ActivePlan {
         Self::with_miss(p, nodes, levels, None)
     }
 
-    /// [`fixed`](Self::fixed), with a separate tree budget for pipelined misses.
+    /// [`fixed`](Self::fixed), with a separate tree for pipelined misses.
     fn with_miss(
         p: &[f64],
         nodes: usize,
         levels: usize,
-        miss: Option<(usize, usize)>,
+        miss: Option<Prediction>,
     ) -> Result<Self, PlanError> {
         let (nodes, levels) = (nodes.max(1), levels.max(1));
-        let miss = miss.map(|(n, l)| (n.max(1), l.max(1)));
-        let (mn, ml) = miss.unwrap_or((1, 1));
+        let (mn, ml) = miss.as_ref().map_or((1, 1), |m| (m.nodes, m.levels));
         let dp = SequoiaDp::solve(p, nodes.max(mn), levels.max(ml))?;
         let full_size = dp.tree(nodes, levels).len();
         Ok(Self {
@@ -91,8 +89,7 @@ impl ActivePlan {
             mode: TreeMode::Fixed,
             probe: false,
             decode_tokens: None,
-            miss,
-            miss_prediction: None,
+            miss_prediction: miss,
         })
     }
 
@@ -105,8 +102,8 @@ impl ActivePlan {
     /// miss), shrunk to at most `room` nodes; the planned tree when the plan has no separate
     /// one.
     pub fn miss_shape(&self, room: usize) -> Tree {
-        match self.miss {
-            Some((n, l)) => self.dp.tree(room.clamp(1, n), l),
+        match &self.miss_prediction {
+            Some(m) => self.dp.tree(room.clamp(1, m.nodes.max(1)), m.levels.max(1)),
             None => self.shape(room),
         }
     }
@@ -115,7 +112,7 @@ impl ActivePlan {
     /// grown ahead for it: the miss tree if `planned` is this plan's own tree (with `room`
     /// left), else `planned` itself (a probe, or a tree the request forced).
     pub fn on_miss(&self, planned: Tree, room: usize) -> Tree {
-        if self.miss.is_some() && planned == self.shape(room) {
+        if self.miss_prediction.is_some() && planned == self.shape(room) {
             self.miss_shape(room)
         } else {
             planned
@@ -469,10 +466,8 @@ impl Planner {
         let auto = choose_with_fallback(&profile, &p, nodes, levels, q, pipeline_hit, decode)
             .map_err(|e| e.to_string())?;
         let best = auto.best;
-        let miss = auto.miss.as_ref().map(|m| (m.nodes, m.levels));
-        let mut plan =
-            ActivePlan::with_miss(&p, best.nodes, best.levels, miss).map_err(|e| e.to_string())?;
-        plan.miss_prediction = auto.miss;
+        let mut plan = ActivePlan::with_miss(&p, best.nodes, best.levels, auto.miss)
+            .map_err(|e| e.to_string())?;
         if best.nodes == 1 {
             let optimistic = self.counts(greedy).lock().unwrap().upper_estimate(
                 &self.cfg.acceptance,

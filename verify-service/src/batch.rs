@@ -106,12 +106,12 @@ enum Done {
     Verified(StepResult),
 }
 
-/// Rows the waiting prefills may take together in a batch whose trees take `tree_rows` (module
-/// doc, step 4): a small chunk while any other session is running (its trees in this batch, or
-/// it is between steps and may send one while this forward runs), the whole budget on a node
-/// with nothing but prefills to do.
-fn prefill_budget(config: &BatchConfig, tree_rows: usize, others_running: bool) -> usize {
-    if tree_rows == 0 && !others_running {
+/// Rows the waiting prefills may take together in a batch (module doc, step 4): a small chunk
+/// while any other session is running (its tree is in this batch, or it is between steps and
+/// may send one while this forward runs), the whole budget on a node with nothing but prefills
+/// to do.
+fn prefill_budget(config: &BatchConfig, others_running: bool) -> usize {
+    if !others_running {
         config.max_rows.max(config.prefill_chunk)
     } else {
         config.prefill_chunk
@@ -307,10 +307,11 @@ impl Runner {
                 Work::Prefill { .. } => prefills.push(job),
             }
         }
-        // Open sessions without prefill work are running: between steps, they may send a tree
-        // any moment, and it should not wait behind a whole row budget of someone's prompt.
-        let others_running = self.admission.active() > prefills.len();
-        let mut budget = prefill_budget(&self.config, rows, others_running);
+        // Open sessions without prefill work are running (a tree in this batch is one): between
+        // steps, they may send a tree any moment, and it should not wait behind a whole row
+        // budget of someone's prompt.
+        let others_running = rows > 0 || self.admission.active() > prefills.len();
+        let mut budget = prefill_budget(&self.config, others_running);
         let mut unfinished = Vec::new();
         for job in prefills {
             let Work::Prefill { tokens, done, .. } = &job.work else {
@@ -450,25 +451,19 @@ mod tests {
     #[test]
     fn prefills_take_a_small_chunk_while_others_run_and_the_whole_budget_alone() {
         let config = BatchConfig::default();
-        assert_eq!(prefill_budget(&config, 0, false), config.max_rows);
-        assert_eq!(prefill_budget(&config, 5, false), config.prefill_chunk);
-        assert_eq!(prefill_budget(&config, 5, true), config.prefill_chunk);
-        // No tree queued, but another session is between steps: its next tree must not wait
-        // behind a whole row budget of prompt.
-        assert_eq!(prefill_budget(&config, 0, true), config.prefill_chunk);
+        assert_eq!(prefill_budget(&config, false), config.max_rows);
+        // Trees in the batch, or another session between steps: its next tree must not wait
+        // behind a whole row budget of prompt. The prefill still advances by its chunk, however
+        // many rows the trees take.
+        assert_eq!(prefill_budget(&config, true), config.prefill_chunk);
         assert!(config.prefill_chunk < config.max_rows / 2);
-        // Trees that fill the row budget still leave a prefill its chunk: it always advances.
-        assert_eq!(
-            prefill_budget(&config, config.max_rows, true),
-            config.prefill_chunk
-        );
         // A chunk larger than the budget is honoured alone too.
         let wide = BatchConfig {
             max_rows: 8,
             prefill_chunk: 32,
             ..BatchConfig::default()
         };
-        assert_eq!(prefill_budget(&wide, 0, false), 32);
-        assert_eq!(prefill_budget(&wide, 3, true), 32);
+        assert_eq!(prefill_budget(&wide, false), 32);
+        assert_eq!(prefill_budget(&wide, true), 32);
     }
 }

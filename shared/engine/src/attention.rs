@@ -16,7 +16,7 @@
 //! Visibility (the tree or causal mask) is a bitset over the new tokens ([`Visibility`]), never
 //! an `n × (prefix + n)` float matrix.
 
-use crate::vecmath::exp_nonpositive;
+use crate::vecmath::{exp_nonpositive, sum8};
 use candle_core::{Result, Storage, Tensor};
 use rayon::prelude::*;
 
@@ -269,44 +269,6 @@ pub(crate) fn attend(
     Ok(out)
 }
 
-/// Sum in a fixed order: eight running sums by position, combined in a fixed order. The
-/// position of every term is the same for a query whatever else shares its forward (the
-/// scores are compacted to the visible keys first), so the sum is too.
-#[inline]
-fn sum8(xs: &[f32]) -> f32 {
-    sum8_of(xs, |x| x)
-}
-
-/// [`sum8`] of `f` applied to every element, without storing the results.
-#[inline(always)]
-fn sum8_of(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
-    let mut acc = [0f32; 8];
-    let chunks = xs.len() / 8;
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += f(xs[c * 8 + l]);
-        }
-    }
-    let mut tail = 0f32;
-    for &x in &xs[chunks * 8..] {
-        tail += f(x);
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// Σ e^(x − max) over the finite `xs` (non-finite ones count as 0), with `max` at least every
-/// finite x: a softmax's normalizer, computed like attention's (vectorizable exponential,
-/// eight running sums).
-pub(crate) fn sum_exp(xs: &[f32], max: f32) -> f32 {
-    sum8_of(xs, |x| {
-        if x.is_finite() {
-            exp_nonpositive(x - max)
-        } else {
-            0.0
-        }
-    })
-}
-
 /// The queries `range` (index `row · group + head-in-group`) of KV head `g`, over `keys` and
 /// `vals` (`len × d` each).
 ///
@@ -456,22 +418,6 @@ mod tests {
             }
         }
         out
-    }
-
-    /// A softmax normalizer over a logit row (as the drafter takes one): the library's sum of
-    /// exponentials to float accuracy, with non-finite logits counting as nothing.
-    #[test]
-    fn sum_of_exponentials_matches_the_library() {
-        let row: Vec<f32> = (0..1003)
-            .map(|i| ((i * 37) % 101) as f32 * 0.13 - 6.0)
-            .collect();
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let want: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
-        let got = sum_exp(&row, max) as f64;
-        assert!((got - want).abs() < 1e-5 * want, "{got} vs {want}");
-        let mut broken = row.clone();
-        broken.extend([f32::NAN, f32::NEG_INFINITY, f32::INFINITY]);
-        assert_eq!(sum_exp(&broken, max), sum_exp(&row, max));
     }
 
     fn rand(len: usize, seed: u64) -> Vec<f32> {

@@ -1,6 +1,7 @@
-//! Elementwise float functions of the forward pass, written as straight-line f32 arithmetic so
-//! that loops over them vectorize, and so a value's result never depends on which lane or which
-//! batch it is computed in (the batch-invariance promise covers these too).
+//! Elementwise float functions of the forward pass and fixed-order sums, written as
+//! straight-line f32 arithmetic so that loops over them vectorize, and so a value's result never
+//! depends on which lane or which batch it is computed in (the batch-invariance promise covers
+//! these too). Attention, the MLP and the drafter's softmax use them.
 
 /// `e^x` for `x ≤ 0` (in attention: a score minus the row's max), within about one ulp of `expf`; 0 below
 /// the smallest normal result (and for −∞). Straight-line f32 arithmetic, so a loop over a
@@ -32,6 +33,44 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     } else {
         y * scale
     }
+}
+
+/// Sum in a fixed order: eight running sums by position, combined in a fixed order. The
+/// position of every term is the same for a query whatever else shares its forward (the
+/// scores are compacted to the visible keys first), so the sum is too.
+#[inline]
+pub(crate) fn sum8(xs: &[f32]) -> f32 {
+    sum8_of(xs, |x| x)
+}
+
+/// [`sum8`] of `f` applied to every element, without storing the results.
+#[inline(always)]
+fn sum8_of(xs: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = xs.len() / 8;
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += f(xs[c * 8 + l]);
+        }
+    }
+    let mut tail = 0f32;
+    for &x in &xs[chunks * 8..] {
+        tail += f(x);
+    }
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+}
+
+/// Σ e^(x − max) over the finite `xs` (non-finite ones count as 0), with `max` at least every
+/// finite x: a softmax's normalizer, computed like attention's (vectorizable exponential,
+/// eight running sums).
+pub(crate) fn sum_exp(xs: &[f32], max: f32) -> f32 {
+    sum8_of(xs, |x| {
+        if x.is_finite() {
+            exp_nonpositive(x - max)
+        } else {
+            0.0
+        }
+    })
 }
 
 /// `silu(g) · u` for each pair: `g · σ(g) · u` with `σ(g) = 1 / (1 + e^−g)`, through
@@ -67,6 +106,22 @@ mod tests {
             assert!(ulps <= 2, "exp({x}) = {got}, library {want} ({ulps} ulp)");
             x -= 0.0137;
         }
+    }
+
+    /// A softmax normalizer over a logit row (as the drafter takes one): the library's sum of
+    /// exponentials to float accuracy, with non-finite logits counting as nothing.
+    #[test]
+    fn sum_of_exponentials_matches_the_library() {
+        let row: Vec<f32> = (0..1003)
+            .map(|i| ((i * 37) % 101) as f32 * 0.13 - 6.0)
+            .collect();
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let want: f64 = row.iter().map(|&x| ((x - max) as f64).exp()).sum();
+        let got = sum_exp(&row, max) as f64;
+        assert!((got - want).abs() < 1e-5 * want, "{got} vs {want}");
+        let mut broken = row.clone();
+        broken.extend([f32::NAN, f32::NEG_INFINITY, f32::INFINITY]);
+        assert_eq!(sum_exp(&broken, max), sum_exp(&row, max));
     }
 
     /// silu through the polynomial agrees with the library formula to a few ulp of its

@@ -220,9 +220,6 @@ impl DraftSession {
         Ok(pending.len())
     }
 
-    /// Grow a tree of (at most) `shape` from `root`: one draft forward per level over that
-    /// level's nodes, then children by sampling without replacement from q (greedy top-b at
-    /// T = 0). A node gets fewer children than planned when q has fewer tokens.
     /// Whether a tree grown ahead (pipelined drafting) is ready for `root` in `shape`, so
     /// that [`grow`](Self::grow) would only finish it.
     pub fn holds_ahead(&self, root: u32, shape: &Tree) -> bool {
@@ -231,16 +228,20 @@ impl DraftSession {
             .is_some_and(|g| g.tokens[0] == root && g.shape == *shape)
     }
 
+    /// Grow a tree of (at most) `shape` from `root`: one draft forward per level over that
+    /// level's nodes, then children by sampling without replacement from q (greedy top-b at
+    /// T = 0). A node gets fewer children than planned when q has fewer tokens.
     pub fn grow(
         &mut self,
         model: &Model,
         root: u32,
         shape: &Tree,
     ) -> Result<DraftedTree, EngineError> {
+        if self.holds_ahead(root, shape) {
+            let ahead = self.ready.take().expect("a tree grown ahead is held");
+            return self.finish(model, ahead, true);
+        }
         if let Some(ahead) = self.ready.take() {
-            if ahead.tokens[0] == root && ahead.shape == *shape {
-                return self.finish(model, ahead, true);
-            }
             // Grown for another shape (the plan changed): drop its nodes.
             self.cache.truncate(self.cache.len() - ahead.forwarded);
         }
@@ -479,7 +480,7 @@ impl Softmax {
             .copied()
             .filter(|x| x.is_finite())
             .fold(f32::NEG_INFINITY, f32::max);
-        let sum = crate::attention::sum_exp(row, max);
+        let sum = crate::vecmath::sum_exp(row, max);
         Self { max, sum }
     }
 
