@@ -18,7 +18,7 @@
 
 use crate::vecmath::{exp_nonpositive, sum8};
 use candle_core::{Result, Storage, Tensor};
-use rayon::prelude::*;
+use std::sync::OnceLock;
 
 /// Fixed-order dot product: eight running sums (lane `l` takes elements `l, l + 8, ...`, each a
 /// multiply then an add), combined in a fixed order.
@@ -240,22 +240,25 @@ pub(crate) fn attend(
     let group = heads / kv_heads;
     let queries = n * group;
     let tiles = queries.div_ceil(QUERY_TILE);
-    let outs: Vec<Vec<f32>> = with_f32(q, |q| {
+    let slots: Vec<OnceLock<Vec<f32>>> = (0..kv_heads * tiles).map(|_| OnceLock::new()).collect();
+    with_f32(q, |q| {
         with_f32(k, |k| {
             with_f32(v, |v| {
-                (0..kv_heads * tiles)
-                    .into_par_iter()
-                    .map(|task| {
-                        let (g, tile) = (task / tiles, task % tiles);
-                        let range = tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(queries);
-                        let keys = &k[g * cap * d..g * cap * d + len * d];
-                        let vals = &v[g * cap * d..g * cap * d + len * d];
-                        attend_tile(q, keys, vals, visible, g, range, group, heads, d, len)
-                    })
-                    .collect()
+                crate::parallel::for_each(kv_heads * tiles, |task| {
+                    let (g, tile) = (task / tiles, task % tiles);
+                    let range = tile * QUERY_TILE..((tile + 1) * QUERY_TILE).min(queries);
+                    let keys = &k[g * cap * d..g * cap * d + len * d];
+                    let vals = &v[g * cap * d..g * cap * d + len * d];
+                    let o = attend_tile(q, keys, vals, visible, g, range, group, heads, d, len);
+                    let _ = slots[task].set(o);
+                })
             })
         })
     })???;
+    let outs: Vec<Vec<f32>> = slots
+        .into_iter()
+        .map(|s| s.into_inner().unwrap_or_default())
+        .collect();
     // Scatter each tile's (row, head) outputs into (n, heads · d).
     let mut out = vec![0f32; n * heads * d];
     for (task, o) in outs.iter().enumerate() {

@@ -51,6 +51,7 @@ pub mod cache;
 pub mod drafting;
 mod layers;
 pub mod model;
+mod parallel;
 pub mod prefix;
 pub mod profiling;
 mod qkernels;

@@ -298,14 +298,21 @@ impl ActBlock for Act32 {
 /// (with rows one after the other, the compiler spent a `lea` and an indexed operand per row and
 /// k-group).
 pub(crate) fn quantize_rows<A: ActBlock>(x: &[f32], m: usize, k: usize) -> Vec<A> {
-    use rayon::prelude::*;
     assert_eq!(x.len(), m * k, "matmul input size");
     assert!(k.is_multiple_of(A::BLOCK));
     let kb = k / A::BLOCK;
     let quantize_row =
         |xr: &[f32]| -> Vec<A> { xr.chunks_exact(A::BLOCK).map(A::quantize).collect() };
     let rows: Vec<Vec<A>> = if m >= 8 {
-        x.par_chunks(k).map(quantize_row).collect()
+        let slots: Vec<std::sync::OnceLock<Vec<A>>> =
+            (0..m).map(|_| std::sync::OnceLock::new()).collect();
+        crate::parallel::for_each(m, |r| {
+            let _ = slots[r].set(quantize_row(&x[r * k..(r + 1) * k]));
+        });
+        slots
+            .into_iter()
+            .map(|s| s.into_inner().unwrap_or_default())
+            .collect()
     } else {
         x.chunks_exact(k).map(quantize_row).collect()
     };

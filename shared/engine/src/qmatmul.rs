@@ -215,7 +215,8 @@ pub(crate) fn matmul_fused(jobs: &mut [(&dyn QKernel, &mut [f32])], m: usize, lh
         outs.push(OutPtr::new(out, kern.out_features()));
     }
     let kernels: Vec<&dyn QKernel> = jobs.iter().map(|(k, _)| *k).collect();
-    tasks.par_iter().for_each(|&(j, t)| {
+    crate::parallel::for_each(tasks.len(), |i| {
+        let (j, t) = tasks[i];
         let kern = kernels[j];
         // SAFETY: tasks of one kernel cover disjoint columns of its own output, which the
         // caller keeps alive (borrowed by `jobs`) until this pass returns.
@@ -323,7 +324,7 @@ where
         let tasks = rayon::current_num_threads().max(1) * 4;
         let chunk = groups.div_ceil(tasks).max(1);
         let out = OutPtr::new(dst, n);
-        (0..groups.div_ceil(chunk)).into_par_iter().for_each(|ci| {
+        crate::parallel::for_each(groups.div_ceil(chunk), |ci| {
             let g = ci * chunk..((ci + 1) * chunk).min(groups);
             // SAFETY: each task writes the columns of its own groups of the live output.
             unsafe { self.w.columns(isa, acts, m, g, out) };

@@ -1,0 +1,345 @@
+//! The fork-join that runs a forward pass's parallel loops: `for_each(n, f)` calls `f(0..n)`
+//! spread over the engine's threads.
+//!
+//! **Why not rayon alone.** A forward is a chain of about 150 short parallel loops (per layer:
+//! fused Q/K/V, attention, the output projection, fused gate/up, down; then the LM head) with
+//! short serial steps between them (norms, rotary embedding, residual adds). Rayon's idle
+//! workers yield a few times and then sleep on a futex, so nearly every loop began with a
+//! wake-up through the kernel: `perf` of a 2-thread decode put 7–9 % of the forward in the
+//! scheduler (`try_to_wake_up`, `__schedule`, `sched_yield`). Here the workers spin on a
+//! generation counter for [`SPIN`] after each loop, which covers the serial gaps inside a forward
+//! and between the forwards of a decode loop, and only then park; the calling thread takes
+//! tasks too, so `threads − 1` workers are spawned.
+//!
+//! **Who gets it.** One loop at a time: a second caller that arrives while a loop runs (a
+//! nested loop, or another session's forward on another thread when the verify node runs
+//! without batching) goes through rayon's global pool as before, so concurrent forwards share
+//! the cores as they always did. Results never depend on the path: each task writes its own
+//! outputs with the same code wherever it runs.
+//!
+//! `SEQUOIA_ENGINE_POOL=rayon` sends every loop through rayon (for A/B measurements).
+
+use std::any::Any;
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+
+/// How long an idle worker spins for the next loop before it parks. Longer than the serial
+/// steps of a forward and the gap between two decode steps; short enough that a node with no
+/// work gives its cores back within a millisecond or two.
+const SPIN: Duration = Duration::from_millis(2);
+
+/// Run `f(i)` for every `i` in `0..n`, in parallel on the engine's threads, and return when
+/// all have run. A panic in `f` is raised again here once every thread has stopped.
+pub(crate) fn for_each<F: Fn(usize) + Sync>(n: usize, f: F) {
+    if n == 0 {
+        return;
+    }
+    if n == 1 {
+        f(0);
+        return;
+    }
+    match pool() {
+        Some(pool) if n <= u32::MAX as usize && pool.try_run(n, &f) => {}
+        _ => (0..n).into_par_iter().for_each(&f),
+    }
+}
+
+/// The task type the workers see: the caller's closure with its lifetime erased (it outlives
+/// the loop: the caller waits for every worker before returning).
+type Task = dyn Fn(usize) + Sync;
+
+struct Shared {
+    /// Written by the thread holding `busy` before it bumps `generation`; read by the workers
+    /// after they see the bump, until they count themselves in `finished`.
+    job: UnsafeCell<*const Task>,
+    /// Each thread's share of the current loop's tasks, `(next, end)` packed in one word: the
+    /// owner takes tasks from the front, in order (its weight columns form one stream that the
+    /// prefetchers follow), and a thread done with its own share takes from the back of
+    /// another's. Index 0 is the calling thread's, `1 + i` worker i's.
+    shares: Vec<AtomicU64>,
+    /// Workers done with the current loop.
+    finished: AtomicUsize,
+    /// Bumped once per loop: what idle workers watch.
+    generation: AtomicU64,
+    /// A loop is running (its caller owns `job`).
+    busy: AtomicBool,
+    /// The first panic of the current loop, raised again by its caller.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
+    /// Parked workers, and what wakes them.
+    parked: AtomicUsize,
+    park: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is only written by the holder of `busy` while no worker reads it (all workers
+// have counted themselves finished, or the generation has not been bumped yet); the pointer it
+// holds is to a `Sync` closure.
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+struct Pool {
+    shared: Arc<Shared>,
+    workers: usize,
+}
+
+/// The pool, started on first use with one worker fewer than the engine's threads; `None` with
+/// one thread or when `SEQUOIA_ENGINE_POOL=rayon`.
+fn pool() -> Option<&'static Pool> {
+    static POOL: OnceLock<Option<Pool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        if std::env::var("SEQUOIA_ENGINE_POOL").is_ok_and(|v| v == "rayon") {
+            return None;
+        }
+        let workers = crate::current_threads().saturating_sub(1);
+        if workers == 0 {
+            return None;
+        }
+        let shared = Arc::new(Shared {
+            job: UnsafeCell::new(&(|_: usize| {}) as &Task as *const Task),
+            shares: (0..=workers).map(|_| AtomicU64::new(0)).collect(),
+            finished: AtomicUsize::new(0),
+            generation: AtomicU64::new(0),
+            busy: AtomicBool::new(false),
+            panic: Mutex::new(None),
+            parked: AtomicUsize::new(0),
+            park: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        for i in 0..workers {
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("sequoia-engine-{}", i + 1))
+                .spawn(move || work(&s, i + 1));
+            if spawned.is_err() {
+                // No threads to be had: every loop goes through rayon. (Workers already
+                // started only ever wait; nothing is sent to them.)
+                return None;
+            }
+        }
+        Some(Pool { shared, workers })
+    })
+    .as_ref()
+}
+
+impl Pool {
+    /// Run the loop on the pool if no other loop holds it; false (nothing run) otherwise.
+    fn try_run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
+        let s = &*self.shared;
+        if s.busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            return false;
+        }
+        // SAFETY: erasing the closure's lifetime; it outlives every use, since this function
+        // returns only after every worker has counted itself finished with this loop.
+        let f: *const Task = unsafe { std::mem::transmute(f as *const (dyn Fn(usize) + Sync)) };
+        // SAFETY: we hold `busy` and every worker finished the previous loop: nobody reads
+        // `job` until the generation bump below.
+        unsafe { *s.job.get() = f };
+        let threads = s.shares.len();
+        for (t, share) in s.shares.iter().enumerate() {
+            share.store(
+                pack(t * n / threads, (t + 1) * n / threads),
+                Ordering::Relaxed,
+            );
+        }
+        s.finished.store(0, Ordering::Relaxed);
+        s.generation.fetch_add(1, Ordering::SeqCst);
+        if s.parked.load(Ordering::SeqCst) > 0 {
+            let _guard = s.park.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        run_tasks(s, 0);
+        let mut spins = 0u32;
+        while s.finished.load(Ordering::Acquire) < self.workers {
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) {
+                // A worker still asleep or descheduled: let it have the core.
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        let panic = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+        s.busy.store(false, Ordering::Release);
+        if let Some(p) = panic {
+            resume_unwind(p);
+        }
+        true
+    }
+}
+
+/// `(next, end)` of a share in one word.
+fn pack(next: usize, end: usize) -> u64 {
+    ((next as u64) << 32) | end as u64
+}
+
+/// Take the front task of a share (`front`), or its back task; `None` when it is empty.
+fn take(share: &AtomicU64, front: bool) -> Option<usize> {
+    let mut cur = share.load(Ordering::Relaxed);
+    loop {
+        let (next, end) = ((cur >> 32) as usize, (cur & 0xFFFF_FFFF) as usize);
+        if next >= end {
+            return None;
+        }
+        let (new, task) = if front {
+            (pack(next + 1, end), next)
+        } else {
+            (pack(next, end - 1), end - 1)
+        };
+        match share.compare_exchange_weak(cur, new, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(task),
+            Err(now) => cur = now,
+        }
+    }
+}
+
+/// Run the current loop's tasks as thread `me`: its own share from the front, then the other
+/// shares from the back until every share is empty. A panicking task empties every share (the
+/// loop's remaining tasks are skipped) and is kept for the caller to raise.
+fn run_tasks(s: &Shared, me: usize) {
+    // SAFETY: called between the generation bump and this thread's `finished` count (or by the
+    // caller before it waits for the workers): `job` is set and its closure alive.
+    let f = unsafe { &**s.job.get() };
+    let threads = s.shares.len();
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        while let Some(i) = take(&s.shares[me], true) {
+            f(i);
+        }
+        for other in (1..threads).map(|d| (me + d) % threads) {
+            while let Some(i) = take(&s.shares[other], false) {
+                f(i);
+            }
+        }
+    }));
+    if let Err(p) = ran {
+        for share in &s.shares {
+            share.store(0, Ordering::Relaxed);
+        }
+        let mut slot = s.panic.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert(p);
+    }
+}
+
+/// A worker: wait for each new loop (spinning, then parked), take its tasks, report done.
+fn work(s: &Shared, me: usize) {
+    let mut seen = 0u64;
+    loop {
+        seen = wait_for_loop(s, seen);
+        run_tasks(s, me);
+        s.finished.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// Wait until the generation moves past `seen`; returns the new one.
+fn wait_for_loop(s: &Shared, seen: u64) -> u64 {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        let g = s.generation.load(Ordering::Acquire);
+        if g != seen {
+            return g;
+        }
+        spins = spins.wrapping_add(1);
+        if !spins.is_multiple_of(256) {
+            std::hint::spin_loop();
+            continue;
+        }
+        if start.elapsed() < SPIN {
+            continue;
+        }
+        // Park. `parked` goes up before the generation is checked again under the lock, and
+        // the caller bumps the generation before it reads `parked`: one of the two sees the
+        // other, so no wake-up is lost.
+        let mut guard = s.park.lock().unwrap_or_else(|e| e.into_inner());
+        s.parked.fetch_add(1, Ordering::SeqCst);
+        while s.generation.load(Ordering::SeqCst) == seen {
+            guard = s.wake.wait(guard).unwrap_or_else(|e| e.into_inner());
+        }
+        s.parked.fetch_sub(1, Ordering::SeqCst);
+        drop(guard);
+        return s.generation.load(Ordering::Acquire);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    fn counts(n: usize) -> Vec<AtomicU32> {
+        (0..n).map(|_| AtomicU32::new(0)).collect()
+    }
+
+    #[test]
+    fn every_task_runs_exactly_once() {
+        crate::init_threads(2);
+        for n in [0, 1, 2, 3, 7, 64, 1000] {
+            for _ in 0..20 {
+                let c = counts(n);
+                for_each(n, |i| {
+                    c[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(c.iter().all(|x| x.load(Ordering::Relaxed) == 1), "n = {n}");
+            }
+        }
+    }
+
+    #[test]
+    fn loops_after_the_workers_parked_still_run_every_task() {
+        crate::init_threads(2);
+        for _ in 0..3 {
+            std::thread::sleep(SPIN * 3);
+            let c = counts(100);
+            for_each(100, |i| {
+                c[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(c.iter().all(|x| x.load(Ordering::Relaxed) == 1));
+        }
+    }
+
+    #[test]
+    fn nested_and_concurrent_loops_complete() {
+        crate::init_threads(2);
+        let total = AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..50 {
+                        for_each(8, |_| {
+                            for_each(4, |_| {
+                                total.fetch_add(1, Ordering::Relaxed);
+                            });
+                        });
+                    }
+                });
+            }
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 4 * 50 * 8 * 4);
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_and_the_pool_stays_usable() {
+        crate::init_threads(2);
+        let r = catch_unwind(|| {
+            for_each(64, |i| {
+                if i == 17 {
+                    panic!("task 17 failed");
+                }
+            })
+        });
+        let msg = r.expect_err("the panic reaches the caller");
+        assert_eq!(msg.downcast_ref::<&str>(), Some(&"task 17 failed"));
+        let c = counts(64);
+        for_each(64, |i| {
+            c[i].fetch_add(1, Ordering::Relaxed);
+        });
+        assert!(c.iter().all(|x| x.load(Ordering::Relaxed) == 1));
+    }
+}
