@@ -28,10 +28,12 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
-/// How long an idle worker spins for the next loop before it parks. Longer than the serial
-/// steps of a forward and the gap between two decode steps; short enough that a node with no
-/// work gives its cores back within a millisecond or two.
-const SPIN: Duration = Duration::from_millis(2);
+/// How long an idle worker spins for the next loop before it parks: longer than the serial
+/// steps of a forward (tens of µs) and the gap between two decode steps of one process; short
+/// enough that a process with no work gives its core back at once. While it spins it yields
+/// every few µs, so another process on the same cores (a draft beside its verify node) still
+/// gets them.
+const SPIN: Duration = Duration::from_micros(500);
 
 /// Run `f(i)` for every `i` in `0..n`, in parallel on the engine's threads, and return when
 /// all have run. A panic in `f` is raised again here once every thread has stopped.
@@ -252,6 +254,7 @@ fn wait_for_loop(s: &Shared, seen: u64) -> u64 {
             continue;
         }
         if start.elapsed() < SPIN {
+            std::thread::yield_now();
             continue;
         }
         // Park. `parked` goes up before the generation is checked again under the lock, and
