@@ -45,6 +45,8 @@
 //!
 //! Threads: candle's CPU backend runs on rayon's global pool. [`LoadOptions::threads`] sizes that
 //! pool once per process (see [`init_threads`]); later calls with a different count only warn.
+//! The engine's own parallel loops (matmuls, attention) run on `parallel`'s spinning pool of the
+//! same size, falling back to rayon when another loop holds it.
 
 mod attention;
 pub mod cache;
