@@ -161,6 +161,9 @@ pub struct PipelineConfig {
     pub candidates: usize,
     /// Most draft forwards spent ahead per step (one per level of all candidates' trees).
     pub max_forwards: usize,
+    /// Grow a generation's first tree while the verify node prefills its prompt (the tree the
+    /// latest pipelined generation started with), instead of after.
+    pub first_tree_during_prefill: bool,
 }
 
 /// The decode fallback (docs/ALGORITHMS.md §5.5): when the plan is no speculation (the auto
@@ -220,6 +223,7 @@ impl Default for PipelineConfig {
             on_shared_cpus: false,
             candidates: 2,
             max_forwards: 16,
+            first_tree_during_prefill: true,
         }
     }
 }

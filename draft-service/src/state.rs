@@ -29,6 +29,36 @@ pub struct DraftState {
     pub http_addr: std::sync::OnceLock<std::net::SocketAddr>,
     /// Finished generations' draft caches, kept for the next turn of their conversation.
     pub prefixes: std::sync::Mutex<PrefixStore>,
+    /// The first tree of the latest pipelined generation, greedy and sampled: what the next
+    /// one starts growing while its prompt is prefilled on the verify node.
+    pub first_trees: std::sync::Mutex<FirstTrees>,
+}
+
+/// The first trees of the latest pipelined generations (docs/ALGORITHMS.md §10): a new
+/// generation's plan is only known once its verify session is open, and it is nearly always the
+/// previous one's, so the draft grows that tree during the verify node's prefill. A different
+/// plan just drops it.
+#[derive(Debug, Default)]
+pub struct FirstTrees {
+    greedy: Option<sequoia_core::tree::Tree>,
+    sampled: Option<sequoia_core::tree::Tree>,
+}
+
+impl FirstTrees {
+    /// The tree to grow during the prefill of a greedy or sampled generation, if any.
+    pub fn get(&self, greedy: bool) -> Option<sequoia_core::tree::Tree> {
+        if greedy { &self.greedy } else { &self.sampled }.clone()
+    }
+
+    /// What a generation drafted first; `None` when it did not pipeline (its verify node
+    /// shares this node's CPUs, or pipelining is off), so the next one grows nothing early.
+    pub fn set(&mut self, greedy: bool, tree: Option<sequoia_core::tree::Tree>) {
+        *if greedy {
+            &mut self.greedy
+        } else {
+            &mut self.sampled
+        } = tree;
+    }
 }
 
 impl DraftState {
@@ -144,6 +174,7 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
     };
     Ok(Arc::new(DraftState {
         prefixes: std::sync::Mutex::new(PrefixStore::new(kept)),
+        first_trees: std::sync::Mutex::new(FirstTrees::default()),
         admission: Admission::new(config.max_sessions, metrics.clone()),
         metrics,
         model: Arc::new(model),

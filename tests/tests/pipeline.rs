@@ -182,3 +182,103 @@ fn by_default_no_drafting_ahead_against_a_node_on_the_same_cpus() {
         "pipeline.on_shared_cpus = true must draft ahead"
     );
 }
+
+/// A TCP proxy in front of `upstream` that holds every chunk from it back by `delay` (requests
+/// pass at once): a verify node whose answers, `opened` included, arrive late, as over a slow
+/// network or after a long prefill. Returns its `http://` URL; it runs on `rt`.
+fn slow_answers(
+    rt: &tokio::runtime::Runtime,
+    upstream: &str,
+    delay: std::time::Duration,
+) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = upstream.trim_start_matches("http://").to_string();
+    let listener = rt
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind the proxy");
+    let addr = listener.local_addr().unwrap();
+    rt.spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
+                continue;
+            };
+            let _ = (client.set_nodelay(true), server.set_nodelay(true));
+            let (mut client_rd, mut client_wr) = client.into_split();
+            let (mut server_rd, mut server_wr) = server.into_split();
+            tokio::spawn(async move {
+                let _ = tokio::io::copy(&mut client_rd, &mut server_wr).await;
+                let _ = server_wr.shutdown().await;
+            });
+            let (tx, mut rx) =
+                tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                while let Ok(n) = server_rd.read(&mut buf).await {
+                    if n == 0
+                        || tx
+                            .send((tokio::time::Instant::now() + delay, buf[..n].to_vec()))
+                            .is_err()
+                    {
+                        break;
+                    }
+                }
+            });
+            tokio::spawn(async move {
+                while let Some((at, bytes)) = rx.recv().await {
+                    tokio::time::sleep_until(at).await;
+                    if client_wr.write_all(&bytes).await.is_err() {
+                        break;
+                    }
+                }
+                let _ = client_wr.shutdown().await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// While the verify node prefills, the draft grows the first tree the previous pipelined
+/// generation drafted (docs/ALGORITHMS.md §10). Behind a verify node whose `opened` arrives
+/// 150 ms late, every generation after the first has its first tree grown that way, and the
+/// output does not change: greedy output is the target's own, and a seeded sampled generation
+/// repeats exactly whether its first tree was grown early or not.
+#[test]
+fn the_first_tree_grows_during_the_verify_prefill_without_changing_the_output() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_config(&pair.target));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let slow = slow_answers(&rt, &verify.url(), std::time::Duration::from_millis(150));
+    let draft = start_draft(draft_config(&pair.draft, &[slow], 8, 4));
+    let run = |req: GenerateRequest| {
+        rt.block_on(within(120, generate(&draft.url(), req)))
+            .expect("generation succeeds")
+    };
+    for (i, prompt) in PROMPTS.iter().enumerate() {
+        let got = run(piped(prompt, 12, 0.0, 1, true));
+        assert_eq!(
+            got.tokens,
+            plain_greedy(&pair.target, prompt, 12),
+            "{prompt:?}"
+        );
+        let early = got.summary.expect("summary").first_tree_early;
+        assert_eq!(
+            early,
+            i > 0,
+            "generation {i}: first tree grown early = {early}"
+        );
+    }
+    for seed in [3, 4] {
+        let first = run(piped(PROMPTS[1], 12, 0.8, seed, true));
+        let again = run(piped(PROMPTS[1], 12, 0.8, seed, true));
+        assert!(
+            again.summary.expect("summary").first_tree_early,
+            "seed {seed}"
+        );
+        assert_eq!(first.tokens, again.tokens, "seed {seed}");
+    }
+    // A generation that does not pipeline grows nothing early, and neither does the next.
+    let off = run(piped(PROMPTS[0], 12, 0.0, 1, false));
+    assert!(!off.summary.expect("summary").first_tree_early);
+    let next = run(piped(PROMPTS[0], 12, 0.0, 1, true));
+    assert!(!next.summary.expect("summary").first_tree_early);
+}

@@ -131,6 +131,9 @@ async fn generate(
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
         let hit = drafted.was_drafted_ahead();
+        if g.steps() == 0 {
+            g.first_tree_early = hit;
+        }
         g.add_lookup(&mut drafted, room);
         let (verdict, ahead) = if g.pipeline {
             let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, room).await?;
@@ -235,6 +238,8 @@ struct Generation<'a> {
     /// tree like ours), so trees shrink when the node is busy.
     load_sessions: f64,
     ahead_time: Option<Duration>,
+    /// The first tree had been grown (whole or in part) during the verify node's prefill.
+    first_tree_early: bool,
     /// Committed tokens the draft caught up over before its latest tree.
     caught_up: usize,
     /// Tokens the verify node decoded on its own (the decode fallback), and whether a decode
@@ -268,8 +273,26 @@ impl<'a> Generation<'a> {
         // The previous turn of this conversation may have left its draft cache: then only the
         // new part of the prompt is prefilled (the verify node does the same on its side).
         let kept = state.take_prefix(&prefix);
+        // The verify node's prefill of the target takes longer than the draft's: meanwhile the
+        // draft grows the first tree the last pipelined generation drafted (the plan is only
+        // known once the session is open, and is nearly always the same), until the session
+        // opens. Not when this generation cannot pipeline: on shared CPUs that growth would
+        // slow the verify node's prefill down.
+        // (The latest generation's plan stands for whether this one pipelines; a tree forced by
+        // the request is its first tree.)
+        let early_tree = state
+            .first_trees
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(prep.params.is_greedy())
+            .filter(|_| state.config.pipeline.first_tree_during_prefill)
+            .filter(|_| prep.pipeline != Some(false))
+            .map(|planned| prep.forced_tree.clone().unwrap_or(planned))
+            .filter(|t| t.len() > 1 && prompt.len() + t.len() < state.context_limit());
+        let opened = Arc::new(AtomicBool::new(false));
+        let stop = opened.clone();
         let draft_prefill = tokio::task::spawn_blocking(move || {
-            match kept {
+            let draft = match kept {
                 Some(k) => DraftSession::resume(
                     &model,
                     k.cache,
@@ -281,10 +304,21 @@ impl<'a> Generation<'a> {
                 ),
                 None => DraftSession::new(&model, &draft_prefix, params, seed, wire_k),
             }
-            .map(|d| d.with_head_vocab(&model, head_vocab))
+            .map(|d| d.with_head_vocab(&model, head_vocab));
+            let prefilled = Instant::now();
+            let draft = draft.and_then(|mut d| {
+                if let Some(shape) = &early_tree {
+                    d.grow_ahead(&model, root, shape, usize::MAX, &stop)?;
+                }
+                Ok(d)
+            });
+            (draft, prefilled)
         });
         let sampling = wire::sampling_config(&prep.params);
-        let link = match VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await {
+        let link = VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await;
+        opened.store(true, Ordering::Release);
+        let link_opened = Instant::now();
+        let link = match link {
             Ok(link) => link,
             Err(e) => {
                 // The prefill cannot be stopped midway: wait for it, so this generation's slot
@@ -294,12 +328,17 @@ impl<'a> Generation<'a> {
             }
         };
         tracing::Span::current().record("node", link.addr());
-        let draft = draft_prefill
+        let (draft, draft_prefilled) = draft_prefill
             .await
-            .map_err(|e| Status::internal(format!("draft prefill task failed: {e}")))?
-            .map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+            .map_err(|e| Status::internal(format!("draft prefill task failed: {e}")))?;
+        let draft = draft.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+        // Both prefills, not the early growth: that belongs to the first step.
         let times = StepTimes {
-            prefill_ms: t_prefill.elapsed().as_secs_f64() * 1e3,
+            prefill_ms: link_opened
+                .max(draft_prefilled)
+                .duration_since(t_prefill)
+                .as_secs_f64()
+                * 1e3,
             ..StepTimes::default()
         };
         let costs = node_costs(state, link.node()).await?;
@@ -341,12 +380,22 @@ impl<'a> Generation<'a> {
             pipeline_wasted: Duration::ZERO,
             load_sessions: 1.0,
             ahead_time: None,
+            first_tree_early: false,
             caught_up: 0,
             fallback_tokens: 0,
             replan_due: false,
             t_start,
             last_delivery: None,
         };
+        if prep.forced_tree.is_none() {
+            let room = g.context_limit().saturating_sub(draft.context_len());
+            let first = pipeline.then(|| g.next_shape(room));
+            state
+                .first_trees
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .set(prep.params.is_greedy(), first);
+        }
         Ok((g, draft))
     }
 

@@ -82,6 +82,7 @@ impl Generation<'_> {
             pipeline_misses: self.pipeline_misses,
             pipeline_wasted_ms: self.pipeline_wasted.as_secs_f64() * 1e3,
             fallback_tokens: self.fallback_tokens,
+            first_tree_early: self.first_tree_early,
         }
     }
 

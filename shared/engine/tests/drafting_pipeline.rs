@@ -196,3 +196,62 @@ fn decoded_tokens_leave_the_drafter_where_a_prefill_would() {
         }
     }
 }
+
+/// A first tree grown ahead while the verify node prefills (`grow_ahead`), whole or stopped
+/// after its first level, is finished by `grow` into exactly the tree a drafter that grows it
+/// only when asked draws (tokens and q, T = 0 and T > 0, same seed); the next tree after its
+/// verdict is identical too. A stop set before the first forward holds nothing, and a tree
+/// grown for another shape is dropped, leaving the drafter as if it had never grown it.
+#[test]
+fn a_first_tree_grown_during_the_prefill_is_the_tree_grow_would_draw() {
+    let model = model();
+    let vocab = model.info().vocab_size;
+    let shape = Tree::spine(3, 4);
+    let prefix = tokens(20, 3, vocab);
+    let root = tokens(1, 4, vocab)[0];
+    let go = AtomicBool::new(false);
+    for t in [0.0, 0.7] {
+        // Levels forwarded ahead: all of them (4), or the first only.
+        for max_forwards in [usize::MAX, 1] {
+            let what = format!("T {t}, at most {max_forwards} levels ahead");
+            let mut plain = DraftSession::new(&model, &prefix, params(t), 99, 64).unwrap();
+            let mut early = DraftSession::new(&model, &prefix, params(t), 99, 64).unwrap();
+            let levels = early
+                .grow_ahead(&model, root, &shape, max_forwards, &go)
+                .unwrap();
+            assert_eq!(levels, max_forwards.min(4), "{what}");
+            assert_eq!(early.context_len(), plain.context_len(), "{what}");
+            assert!(early.holds_ahead(root, &shape), "{what}");
+            let a = plain.grow(&model, root, &shape).unwrap();
+            let b = early.grow(&model, root, &shape).unwrap();
+            same_tree(&a, &b, &format!("{what}: first tree"));
+            assert!(b.was_drafted_ahead() && !a.was_drafted_ahead());
+            let accepted = vec![a.tree.children(0)[0] as usize];
+            plain.commit(&a, &accepted).unwrap();
+            early.commit(&b, &accepted).unwrap();
+            let next = tokens(1, 6, vocab)[0];
+            let a1 = plain.grow(&model, next, &shape).unwrap();
+            let b1 = early.grow(&model, next, &shape).unwrap();
+            same_tree(&a1, &b1, &format!("{what}: next tree"));
+        }
+        // Stopped before the first forward: nothing is held.
+        let mut early = DraftSession::new(&model, &prefix, params(t), 99, 64).unwrap();
+        let stopped = AtomicBool::new(true);
+        let levels = early
+            .grow_ahead(&model, root, &shape, usize::MAX, &stopped)
+            .unwrap();
+        assert_eq!(levels, 0);
+        assert!(!early.holds_ahead(root, &shape));
+        // Grown for a shape the plan did not ask for: dropped by `grow`.
+        let mut plain = DraftSession::new(&model, &prefix, params(t), 99, 64).unwrap();
+        let mut early = DraftSession::new(&model, &prefix, params(t), 99, 64).unwrap();
+        early
+            .grow_ahead(&model, root, &Tree::spine(2, 3), usize::MAX, &go)
+            .unwrap();
+        assert!(!early.holds_ahead(root, &shape));
+        let a = plain.grow(&model, root, &shape).unwrap();
+        let b = early.grow(&model, root, &shape).unwrap();
+        same_tree(&a, &b, &format!("T {t}: another shape"));
+        assert!(!b.was_drafted_ahead());
+    }
+}

@@ -13,6 +13,7 @@ use sequoia_core::sampling::{
     SessionRng, SparseDist,
 };
 use sequoia_core::tree::{Tree, TreeLimits};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A drafted tree ready to send: shape, tokens, and q for every expanded node (empty at T = 0).
 #[derive(Debug, Clone)]
@@ -250,6 +251,57 @@ impl DraftSession {
         }
         let growth = Growth::new(root, shape.clone(), self.seed, self.context_len());
         self.finish(model, growth, false)
+    }
+
+    /// Start growing the next tree, of `shape` from `root`, before it is asked for: level by
+    /// level while `stop` is unset (checked before each forward), at most `max_forwards`
+    /// levels, keeping what was grown for
+    /// [`grow`](Self::grow) with the same root and shape to finish. The draft node does this
+    /// while the verify node prefills the prompt (docs/ALGORITHMS.md §10). The tree is the one
+    /// `grow` would draw: its random stream depends on its position, not on when it is grown.
+    /// Returns the levels forwarded; does nothing (0) when a tree is already held or committed
+    /// tokens wait to be processed.
+    pub fn grow_ahead(
+        &mut self,
+        model: &Model,
+        root: u32,
+        shape: &Tree,
+        max_forwards: usize,
+        stop: &AtomicBool,
+    ) -> Result<usize, EngineError> {
+        if self.ready.is_some() || !self.pending.is_empty() || shape.len() < 2 {
+            return Ok(0);
+        }
+        let mut g = Growth::new(root, shape.clone(), self.seed, self.context_len());
+        let mut levels = 0;
+        while levels < max_forwards && !stop.load(Ordering::Acquire) {
+            let expand = g.to_expand();
+            if expand.is_empty() {
+                break;
+            }
+            let forwarded = model.forward_forest_extend(
+                &mut self.cache,
+                &g.tokens,
+                &g.parents,
+                g.level_start,
+                &expand,
+                self.head_vocab,
+            );
+            let logits = match forwarded {
+                Ok(l) => l,
+                Err(e) => {
+                    // The failed forward left the cache as it was: drop the levels before it.
+                    self.cache.truncate(self.cache.len() - g.forwarded);
+                    return Err(e);
+                }
+            };
+            g.add_children(&expand, &logits, 0, &self.params, self.wire_top_k);
+            levels += 1;
+        }
+        if levels > 0 {
+            self.ready = Some(g);
+        }
+        Ok(levels)
     }
 
     /// Forward the remaining levels of `g` (one draft forward per level) and hand it out.
