@@ -45,6 +45,7 @@ struct Acc {
     pipeline_hits: u64,
     pipeline_misses: u64,
     pipeline_wasted_ms: f64,
+    first_trees_early: u64,
     lookup_proposed: u64,
     lookup_accepted: u64,
 }
@@ -69,6 +70,7 @@ impl Acc {
         self.pipeline_hits += r.pipeline_hits as u64;
         self.pipeline_misses += r.pipeline_misses as u64;
         self.pipeline_wasted_ms += r.pipeline_wasted_ms;
+        self.first_trees_early += r.first_tree_early as u64;
         self.lookup_proposed += r.lookup_proposed;
         self.lookup_accepted += r.lookup_accepted;
         self.counts.add(&RankCounts::new(
@@ -121,6 +123,9 @@ pub struct Cell {
     pub pipeline_misses: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pipeline_wasted_ms: Option<f64>,
+    /// `+pipe` methods: runs whose first tree was grown during the verify node's prefill.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_trees_early: Option<u64>,
     /// Prompt-lookup nodes sent in the trees (T = 0 only), and how many were accepted.
     pub lookup_proposed: u64,
     pub lookup_accepted: u64,
@@ -199,6 +204,7 @@ impl Cell {
             pipeline_hits: a.pipelined.then_some(a.pipeline_hits),
             pipeline_misses: a.pipelined.then_some(a.pipeline_misses),
             pipeline_wasted_ms: a.pipelined.then_some(a.pipeline_wasted_ms),
+            first_trees_early: a.pipelined.then_some(a.first_trees_early),
             lookup_proposed: a.lookup_proposed,
             lookup_accepted: a.lookup_accepted,
             draft_cpus: None,
@@ -528,7 +534,7 @@ pub fn markdown(rep: &Report) -> String {
         let _ = writeln!(
             s,
             " draft ms/tok | network ms/tok | verify ms/tok | overhead ms/tok |{} \
-             pipeline hits/misses | pipeline wasted ms | setup |",
+             pipeline hits/misses (first trees early/runs) | pipeline wasted ms | setup |",
             if t == 0.0 {
                 " greedy = target | lookup accepted/sent |"
             } else {
@@ -592,8 +598,8 @@ pub fn markdown(rep: &Report) -> String {
             let _ = write!(
                 s,
                 " {} | {} | {} |",
-                match (c.pipeline_hits, c.pipeline_misses) {
-                    (Some(h), Some(m)) => format!("{h}/{m}"),
+                match (c.pipeline_hits, c.pipeline_misses, c.first_trees_early) {
+                    (Some(h), Some(m), Some(e)) => format!("{h}/{m} ({e}/{})", c.prompts),
                     _ => "–".into(),
                 },
                 c.pipeline_wasted_ms
@@ -854,6 +860,7 @@ mod tests {
                 r.pipeline_hits = hits;
                 r.pipeline_misses = misses;
                 r.pipeline_wasted_ms = 1.5;
+                r.first_tree_early = q == 2;
                 recs.push(Record::Run(r));
             }
         }
@@ -868,6 +875,7 @@ mod tests {
         assert!((c.tokens_per_step - 2.0).abs() < 1e-12);
         assert!((c.step_ms - 100.0).abs() < 1e-12);
         assert_eq!((c.pipeline_hits, c.pipeline_misses), (Some(8), Some(1)));
+        assert_eq!(c.first_trees_early, Some(1));
         assert!((c.pipeline_wasted_ms.unwrap() - 3.0).abs() < 1e-12);
         assert_eq!(c.verify_cpus.as_deref(), Some("1-2"));
         assert_eq!((c.rtt_ms, c.bandwidth_mbps), (10.0, 100.0));
@@ -888,7 +896,7 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains(" 8/1 | 3.0 | draft 0 ×1 · verify 1-2 ×2 · RTT 10 ms · 100 Mbit/s |"),
+            md.contains(" 8/1 (1/2) | 3.0 | draft 0 ×1 · verify 1-2 ×2 · RTT 10 ms · 100 Mbit/s |"),
             "{md}"
         );
         assert!(md.contains("100 Mbit/s per direction"), "{md}");

@@ -107,6 +107,9 @@ pub struct RunRecord {
     pub pipeline_misses: u32,
     #[serde(default)]
     pub pipeline_wasted_ms: f64,
+    /// The first tree was grown (whole or in part) during the verify node's prefill.
+    #[serde(default)]
+    pub first_tree_early: bool,
     /// Prompt-lookup nodes sent in the trees, and how many of them were accepted.
     #[serde(default)]
     pub lookup_proposed: u64,

@@ -22,6 +22,7 @@ pub(super) async fn generate(
             rec.pipeline_hits = s.pipeline_hits;
             rec.pipeline_misses = s.pipeline_misses;
             rec.pipeline_wasted_ms = s.pipeline_wasted_ms;
+            rec.first_tree_early = s.first_tree_early;
             rec.lookup_proposed = s.lookup_proposed;
             rec.lookup_accepted = s.lookup_accepted;
             if let Some(t) = s.timings {
