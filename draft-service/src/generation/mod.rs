@@ -274,12 +274,10 @@ impl<'a> Generation<'a> {
         // new part of the prompt is prefilled (the verify node does the same on its side).
         let kept = state.take_prefix(&prefix);
         // The verify node's prefill of the target takes longer than the draft's: meanwhile the
-        // draft grows the first tree the last pipelined generation drafted (the plan is only
-        // known once the session is open, and is nearly always the same), until the session
-        // opens. Not when this generation cannot pipeline: on shared CPUs that growth would
-        // slow the verify node's prefill down.
-        // (The latest generation's plan stands for whether this one pipelines; a tree forced by
-        // the request is its first tree.)
+        // draft grows the first tree of the latest pipelined generation (this one's plan is
+        // only known once the session is open, and is nearly always the same), until the
+        // session opens; a tree forced by the request is grown instead. Only where the latest
+        // generation pipelined: on shared CPUs the growth would slow the verify prefill down.
         let early_tree = state
             .first_trees
             .lock()

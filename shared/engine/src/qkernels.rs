@@ -301,27 +301,33 @@ pub(crate) fn quantize_rows<A: ActBlock>(x: &[f32], m: usize, k: usize) -> Vec<A
     assert_eq!(x.len(), m * k, "matmul input size");
     assert!(k.is_multiple_of(A::BLOCK));
     let kb = k / A::BLOCK;
-    let quantize_row =
-        |xr: &[f32]| -> Vec<A> { xr.chunks_exact(A::BLOCK).map(A::quantize).collect() };
-    let rows: Vec<Vec<A>> = if m >= 8 {
-        let slots: Vec<std::sync::OnceLock<Vec<A>>> =
-            (0..m).map(|_| std::sync::OnceLock::new()).collect();
-        crate::parallel::for_each(m, |r| {
-            let _ = slots[r].set(quantize_row(&x[r * k..(r + 1) * k]));
-        });
-        slots
-            .into_iter()
-            .map(|s| s.into_inner().unwrap_or_default())
-            .collect()
-    } else {
-        x.chunks_exact(k).map(quantize_row).collect()
+    // Written in place, block-major: no per-row vectors to allocate and copy over afterwards
+    // (that copy ran on the calling thread alone, between two parallel loops).
+    let mut out: Vec<std::mem::MaybeUninit<A>> = Vec::with_capacity(m * kb);
+    // SAFETY: `MaybeUninit` needs no initialization.
+    unsafe { out.set_len(m * kb) };
+    struct Slots<A>(*mut std::mem::MaybeUninit<A>);
+    // SAFETY: every row writes only its own slots (`b · m + r`), and the buffer outlives the
+    // loop.
+    unsafe impl<A> Sync for Slots<A> {}
+    let slots = Slots(out.as_mut_ptr());
+    let quantize_row = |r: usize| {
+        let slots = &slots;
+        for (b, xb) in x[r * k..(r + 1) * k].chunks_exact(A::BLOCK).enumerate() {
+            // SAFETY: `b · m + r < m · kb`, written by row r only.
+            unsafe { (*slots.0.add(b * m + r)).write(A::quantize(xb)) };
+        }
     };
-    if m == 1 {
-        return rows.into_iter().next().unwrap_or_default();
+    if m >= 8 {
+        crate::parallel::for_each(m, quantize_row);
+    } else {
+        (0..m).for_each(quantize_row);
     }
-    (0..kb)
-        .flat_map(|b| rows.iter().map(move |r| r[b]))
-        .collect()
+    let mut out = std::mem::ManuallyDrop::new(out);
+    let (ptr, len, cap) = (out.as_mut_ptr(), out.len(), out.capacity());
+    // SAFETY: every one of the `m · kb` slots was written above (a panic in `quantize` would
+    // have unwound past this point), and `MaybeUninit<A>` has `A`'s layout.
+    unsafe { Vec::from_raw_parts(ptr as *mut A, len, cap) }
 }
 
 // ---------------------------------------------------------------------------------------------
