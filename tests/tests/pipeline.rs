@@ -4,6 +4,7 @@
 
 use sequoia_core::sampling::SamplingParams;
 use sequoia_proto::v1::GenerateRequest;
+use sequoia_server::delay_proxy::DelayProxy;
 use sequoia_tests::*;
 
 const PROMPTS: [&str; 3] = [
@@ -183,63 +184,10 @@ fn by_default_no_drafting_ahead_against_a_node_on_the_same_cpus() {
     );
 }
 
-/// A TCP proxy in front of `upstream` that holds every chunk from it back by `delay` (requests
-/// pass at once): a verify node whose answers, `opened` included, arrive late, as over a slow
-/// network or after a long prefill. Returns its `http://` URL; it runs on `rt`.
-fn slow_answers(
-    rt: &tokio::runtime::Runtime,
-    upstream: &str,
-    delay: std::time::Duration,
-) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let upstream = upstream.trim_start_matches("http://").to_string();
-    let listener = rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .expect("bind the proxy");
-    let addr = listener.local_addr().unwrap();
-    rt.spawn(async move {
-        while let Ok((client, _)) = listener.accept().await {
-            let Ok(server) = tokio::net::TcpStream::connect(&upstream).await else {
-                continue;
-            };
-            let _ = (client.set_nodelay(true), server.set_nodelay(true));
-            let (mut client_rd, mut client_wr) = client.into_split();
-            let (mut server_rd, mut server_wr) = server.into_split();
-            tokio::spawn(async move {
-                let _ = tokio::io::copy(&mut client_rd, &mut server_wr).await;
-                let _ = server_wr.shutdown().await;
-            });
-            let (tx, mut rx) =
-                tokio::sync::mpsc::unbounded_channel::<(tokio::time::Instant, Vec<u8>)>();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                while let Ok(n) = server_rd.read(&mut buf).await {
-                    if n == 0
-                        || tx
-                            .send((tokio::time::Instant::now() + delay, buf[..n].to_vec()))
-                            .is_err()
-                    {
-                        break;
-                    }
-                }
-            });
-            tokio::spawn(async move {
-                while let Some((at, bytes)) = rx.recv().await {
-                    tokio::time::sleep_until(at).await;
-                    if client_wr.write_all(&bytes).await.is_err() {
-                        break;
-                    }
-                }
-                let _ = client_wr.shutdown().await;
-            });
-        }
-    });
-    format!("http://{addr}")
-}
-
 /// While the verify node prefills, the draft grows the first tree the previous pipelined
-/// generation drafted (docs/ALGORITHMS.md §10). Behind a verify node whose `opened` arrives
-/// 150 ms late, every generation after the first has its first tree grown that way, and the
+/// generation drafted (docs/ALGORITHMS.md §10). Behind a verify node 300 ms of round trip away
+/// (so its `opened` arrives late), every generation after the first has its first tree grown
+/// that way, and the
 /// output does not change: greedy output is the target's own, and a seeded sampled generation
 /// repeats exactly whether its first tree was grown early or not.
 #[test]
@@ -247,7 +195,13 @@ fn the_first_tree_grows_during_the_verify_prefill_without_changing_the_output() 
     let pair = TinyPair::new();
     let verify = start_verify(verify_config(&pair.target));
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let slow = slow_answers(&rt, &verify.url(), std::time::Duration::from_millis(150));
+    let upstream = verify.url().trim_start_matches("http://").to_string();
+    let rtt = std::time::Duration::from_millis(300);
+    let proxy = rt
+        .block_on(DelayProxy::bind("127.0.0.1:0", &upstream, rtt, 0.0))
+        .expect("bind the delay proxy");
+    let slow = format!("http://{}", proxy.local_addr().unwrap());
+    rt.spawn(proxy.run(std::future::pending()));
     let draft = start_draft(draft_config(&pair.draft, &[slow], 8, 4));
     let run = |req: GenerateRequest| {
         rt.block_on(within(120, generate(&draft.url(), req)))

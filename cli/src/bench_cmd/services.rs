@@ -55,7 +55,7 @@ pub(super) fn spawn_services(args: &BenchArgs, rt: &tokio::runtime::Runtime) -> 
     let mbps = args.two.bandwidth_mbps;
     if args.rtt_ms > 0.0 || mbps > 0.0 {
         let rtt = Duration::from_secs_f64(args.rtt_ms / 1e3);
-        let proxy = rt.block_on(crate::delay_proxy::DelayProxy::bind(
+        let proxy = rt.block_on(sequoia_server::delay_proxy::DelayProxy::bind(
             "127.0.0.1:0",
             &format!("127.0.0.1:{vport}"),
             rtt,
