@@ -275,28 +275,15 @@ impl DraftSession {
         let mut g = Growth::new(root, shape.clone(), self.seed, self.context_len());
         let mut levels = 0;
         while levels < max_forwards && !stop.load(Ordering::Acquire) {
-            let expand = g.to_expand();
-            if expand.is_empty() {
-                break;
-            }
-            let forwarded = model.forward_forest_extend(
-                &mut self.cache,
-                &g.tokens,
-                &g.parents,
-                g.level_start,
-                &expand,
-                self.head_vocab,
-            );
-            let logits = match forwarded {
-                Ok(l) => l,
+            match self.grow_level(model, &mut g) {
+                Ok(true) => levels += 1,
+                Ok(false) => break,
                 Err(e) => {
                     // The failed forward left the cache as it was: drop the levels before it.
                     self.cache.truncate(self.cache.len() - g.forwarded);
                     return Err(e);
                 }
-            };
-            g.add_children(&expand, &logits, 0, &self.params, self.wire_top_k);
-            levels += 1;
+            }
         }
         if levels > 0 {
             self.ready = Some(g);
@@ -311,24 +298,29 @@ impl DraftSession {
         mut g: Growth,
         resumed: bool,
     ) -> Result<DraftedTree, EngineError> {
-        loop {
-            let expand = g.to_expand();
-            if expand.is_empty() {
-                break;
-            }
-            let logits = model.forward_forest_extend(
-                &mut self.cache,
-                &g.tokens,
-                &g.parents,
-                g.level_start,
-                &expand,
-                self.head_vocab,
-            )?;
-            g.add_children(&expand, &logits, 0, &self.params, self.wire_top_k);
-        }
+        while self.grow_level(model, &mut g)? {}
         let mut drafted = g.into_drafted();
         drafted.resumed = resumed;
         Ok(drafted)
+    }
+
+    /// One draft forward over `g`'s next level, and that level's children; false (nothing
+    /// run) when the tree is complete. On error the cache is as before the call.
+    fn grow_level(&mut self, model: &Model, g: &mut Growth) -> Result<bool, EngineError> {
+        let expand = g.to_expand();
+        if expand.is_empty() {
+            return Ok(false);
+        }
+        let logits = model.forward_forest_extend(
+            &mut self.cache,
+            &g.tokens,
+            &g.parents,
+            g.level_start,
+            &expand,
+            self.head_vocab,
+        )?;
+        g.add_children(&expand, &logits, 0, &self.params, self.wire_top_k);
+        Ok(true)
     }
 
     /// Follow the verdict: keep the root and the accepted path in the cache; accepted tokens the
