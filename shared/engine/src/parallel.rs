@@ -84,9 +84,9 @@ struct Shared {
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
+/// The calling thread plus `shared.shares.len() − 1` workers.
 struct Pool {
     shared: Arc<Shared>,
-    workers: usize,
 }
 
 /// The pool, started on first use with one worker fewer than the engine's threads; `None` with
@@ -97,7 +97,15 @@ fn pool() -> Option<&'static Pool> {
         if std::env::var("SEQUOIA_ENGINE_POOL").is_ok_and(|v| v == "rayon") {
             return None;
         }
-        let workers = crate::current_threads().saturating_sub(1);
+        Pool::start(crate::current_threads().saturating_sub(1))
+    })
+    .as_ref()
+}
+
+impl Pool {
+    /// Spawn `workers` threads; `None` with none (or when the system has no threads to give:
+    /// every loop then goes through rayon; workers already started only ever wait).
+    fn start(workers: usize) -> Option<Pool> {
         if workers == 0 {
             return None;
         }
@@ -114,21 +122,14 @@ fn pool() -> Option<&'static Pool> {
         });
         for i in 0..workers {
             let s = shared.clone();
-            let spawned = std::thread::Builder::new()
+            std::thread::Builder::new()
                 .name(format!("sequoia-engine-{}", i + 1))
-                .spawn(move || work(&s, i + 1));
-            if spawned.is_err() {
-                // No threads to be had: every loop goes through rayon. (Workers already
-                // started only ever wait; nothing is sent to them.)
-                return None;
-            }
+                .spawn(move || work(&s, i + 1))
+                .ok()?;
         }
-        Some(Pool { shared, workers })
-    })
-    .as_ref()
-}
+        Some(Pool { shared })
+    }
 
-impl Pool {
     /// Run the loop on the pool if no other loop holds it; false (nothing run) otherwise.
     fn try_run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
         let s = &*self.shared;
@@ -159,7 +160,7 @@ impl Pool {
         }
         run_tasks(s, 0);
         let mut spins = 0u32;
-        while s.finished.load(Ordering::Acquire) < self.workers {
+        while s.finished.load(Ordering::Acquire) < threads - 1 {
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) {
                 // A worker still asleep or descheduled: let it have the core.
@@ -280,35 +281,58 @@ mod tests {
         (0..n).map(|_| AtomicU32::new(0)).collect()
     }
 
+    /// Run `n` tasks on `pool` (which must take the loop) and check each ran exactly once.
+    fn run_once_each(pool: &Pool, n: usize) {
+        let c = counts(n);
+        let f = |i: usize| {
+            c[i].fetch_add(1, Ordering::Relaxed);
+        };
+        assert!(pool.try_run(n, &f), "an idle pool takes the loop");
+        assert!(c.iter().all(|x| x.load(Ordering::Relaxed) == 1), "n = {n}");
+    }
+
     #[test]
     fn every_task_runs_exactly_once() {
-        crate::init_threads(2);
-        for n in [0, 1, 2, 3, 7, 64, 1000] {
-            for _ in 0..20 {
-                let c = counts(n);
-                for_each(n, |i| {
-                    c[i].fetch_add(1, Ordering::Relaxed);
-                });
-                assert!(c.iter().all(|x| x.load(Ordering::Relaxed) == 1), "n = {n}");
+        for workers in [1, 3] {
+            let pool = Pool::start(workers).expect("threads");
+            for n in [1, 2, 3, 7, 64, 1000] {
+                for _ in 0..20 {
+                    run_once_each(&pool, n);
+                }
             }
         }
     }
 
     #[test]
     fn loops_after_the_workers_parked_still_run_every_task() {
-        crate::init_threads(2);
+        let pool = Pool::start(2).expect("threads");
         for _ in 0..3 {
             std::thread::sleep(SPIN * 3);
-            let c = counts(100);
-            for_each(100, |i| {
-                c[i].fetch_add(1, Ordering::Relaxed);
-            });
-            assert!(c.iter().all(|x| x.load(Ordering::Relaxed) == 1));
+            assert_eq!(
+                pool.shared.parked.load(Ordering::SeqCst),
+                2,
+                "idle workers park"
+            );
+            run_once_each(&pool, 100);
         }
     }
 
     #[test]
-    fn nested_and_concurrent_loops_complete() {
+    fn a_busy_pool_refuses_a_second_loop_and_for_each_still_runs_everything() {
+        let pool = Pool::start(1).expect("threads");
+        let inner_taken = AtomicU32::new(0);
+        let outer = |_: usize| {
+            if pool.try_run(4, &|_| {}) {
+                inner_taken.fetch_add(1, Ordering::Relaxed);
+            }
+        };
+        assert!(pool.try_run(8, &outer));
+        assert_eq!(
+            inner_taken.load(Ordering::Relaxed),
+            0,
+            "nested loops are refused"
+        );
+        // Through the process's pool (or rayon), nested and concurrent loops all complete.
         crate::init_threads(2);
         let total = AtomicUsize::new(0);
         std::thread::scope(|scope| {
@@ -329,20 +353,15 @@ mod tests {
 
     #[test]
     fn a_panicking_task_reaches_the_caller_and_the_pool_stays_usable() {
-        crate::init_threads(2);
-        let r = catch_unwind(|| {
-            for_each(64, |i| {
-                if i == 17 {
-                    panic!("task 17 failed");
-                }
-            })
-        });
+        let pool = Pool::start(2).expect("threads");
+        let failing = |i: usize| {
+            if i == 17 {
+                panic!("task 17 failed");
+            }
+        };
+        let r = catch_unwind(AssertUnwindSafe(|| pool.try_run(64, &failing)));
         let msg = r.expect_err("the panic reaches the caller");
         assert_eq!(msg.downcast_ref::<&str>(), Some(&"task 17 failed"));
-        let c = counts(64);
-        for_each(64, |i| {
-            c[i].fetch_add(1, Ordering::Relaxed);
-        });
-        assert!(c.iter().all(|x| x.load(Ordering::Relaxed) == 1));
+        run_once_each(&pool, 64);
     }
 }
