@@ -307,7 +307,13 @@ mod tests {
     fn loops_after_the_workers_parked_still_run_every_task() {
         let pool = Pool::start(2).expect("threads");
         for _ in 0..3 {
-            std::thread::sleep(SPIN * 3);
+            // Idle workers park once their spin is over (polled: a loaded machine may
+            // deschedule them for a while first).
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while pool.shared.parked.load(Ordering::SeqCst) < 2 {
+                assert!(Instant::now() < deadline, "idle workers never parked");
+                std::thread::sleep(SPIN);
+            }
             assert_eq!(
                 pool.shared.parked.load(Ordering::SeqCst),
                 2,
