@@ -868,6 +868,67 @@ mod tests {
         check::<qkernels::Q4_1>(GgmlDType::Q4_1);
     }
 
+    /// Weights and inputs at the extremes of their ranges (every quant at its largest or
+    /// smallest value, every input at ±127 after quantization) give every ISA path the scalar
+    /// result bit for bit: the i16 sums of the AVX2 path (`Simd::I16_SUMS`) reach their
+    /// largest magnitudes here without overflowing.
+    #[test]
+    fn extreme_weights_and_inputs_match_scalar_bit_for_bit() {
+        /// Blocks of `size` bytes filled with `fill`, with the f16 fields at `halves` set to 1.
+        fn blocks(count: usize, size: usize, fill: u8, halves: &[usize]) -> Vec<u8> {
+            let mut b = vec![fill; count * size];
+            for blk in b.chunks_exact_mut(size) {
+                for &h in halves {
+                    blk[h..h + 2].copy_from_slice(&0x3C00u16.to_le_bytes());
+                }
+            }
+            b
+        }
+        fn check<F: Format>(block_bytes: usize, halves: &[usize])
+        where
+            F::Act: InputActs,
+        {
+            let (n, k, m) = (16, 512, 5);
+            let signs: [&dyn Fn(usize) -> f32; 3] = [&|_| 1.0, &|_| -1.0, &|i| {
+                if (i / 2) % 2 == 0 {
+                    1.0
+                } else {
+                    -1.0
+                }
+            }];
+            for fill in [0x00u8, 0xFF, 0x80, 0x7F] {
+                let raw = blocks(n * k / F::BLOCK, block_bytes, fill, halves);
+                let kern = PackedKernel {
+                    w: Packed::<F>::from_bytes(&raw, n, k),
+                };
+                for sign in signs {
+                    let x: Vec<f32> = (0..m * k).map(sign).collect();
+                    let mut want = vec![0f32; m * n];
+                    kern.matmul_isa(Isa::Scalar, m, &x, &mut want);
+                    assert!(want.iter().all(|v| v.is_finite()), "{}", F::NAME);
+                    for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+                        let mut got = vec![0f32; m * n];
+                        kern.matmul_isa(isa, m, &x, &mut got);
+                        let same = got
+                            .iter()
+                            .zip(&want)
+                            .all(|(g, w)| g.to_bits() == w.to_bits());
+                        assert!(
+                            same,
+                            "{} {isa:?} fill {fill:#04x}: {got:?} vs {want:?}",
+                            F::NAME
+                        );
+                    }
+                }
+            }
+        }
+        check::<qkernels::Q4K>(144, &[0, 2]);
+        check::<qkernels::Q6K>(210, &[208]);
+        check::<qkernels::Q5_0>(22, &[0]);
+        check::<qkernels::Q8_0>(34, &[0]);
+        check::<qkernels::Q4_1>(20, &[0, 2]);
+    }
+
     /// An input quantized once serves several kernels, with the same results as `matmul`.
     #[test]
     fn quantized_input_is_reusable() {
