@@ -2301,7 +2301,7 @@ unsafe fn run_avx2<F: Format>(
     out: OutPtr,
 ) {
     // SAFETY: caller.
-    unsafe { p.run::<x86::Avx256<false>, 4>(acts, m, groups, out) }
+    unsafe { p.run::<x86::Avx256<false>, 8>(acts, m, groups, out) }
 }
 
 // ---------------------------------------------------------------------------------------------
