@@ -1019,9 +1019,17 @@ fn nib_pos(k: usize, col: usize, nk: usize) -> (usize, bool) {
     ((g % half) * 64 + 4 * col + k % 4, g >= half)
 }
 
-fn put_nib(plane: &mut [u8], k: usize, col: usize, nk: usize, v: u8) {
-    let (i, hi) = nib_pos(k, col, nk);
-    plane[i] |= if hi { (v & 0xF) << 4 } else { v & 0xF };
+/// Column `col`'s `4·nk` values `q` (low 4 bits of each) into the nibble plane, one k-group
+/// pair per step (a value at a time, the index arithmetic made the repack take most of the
+/// load time).
+fn put_nibs(plane: &mut [u8], col: usize, nk: usize, q: &[u8]) {
+    let half = nk / 2;
+    for g in 0..half {
+        let (lo, hi) = (&q[4 * g..4 * g + 4], &q[4 * (g + half)..4 * (g + half) + 4]);
+        for (i, d) in plane[64 * g + 4 * col..][..4].iter_mut().enumerate() {
+            *d |= (lo[i] & 0xF) | ((hi[i] & 0xF) << 4);
+        }
+    }
 }
 
 fn get_nib(plane: &[u8], k: usize, col: usize, nk: usize) -> u8 {
@@ -1413,9 +1421,7 @@ impl Format for Q4K {
     }
 
     fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
-        for k in 0..QK_K {
-            put_nib(main, k, col, 64, b.q[k]);
-        }
+        put_nibs(main, col, 64, &b.q);
         for j in 0..8 {
             main[2048 + 16 * j + col] = b.sc[j];
         }
@@ -1537,10 +1543,14 @@ impl Format for Q6K {
     }
 
     fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
-        for k in 0..QK_K {
-            put_nib(main, k, col, 64, b.q[k]);
-            let g = k / 4;
-            main[2048 + (g % 16) * 64 + 4 * col + k % 4] |= ((b.q[k] >> 4) & 3) << (2 * (g / 16));
+        put_nibs(main, col, 64, &b.q);
+        // Bits 4–5 of k-group `g + 16·quarter` at bits `2·quarter` of line `g`.
+        for g in 0..16 {
+            for (i, d) in main[2048 + 64 * g + 4 * col..][..4].iter_mut().enumerate() {
+                for quarter in 0..4 {
+                    *d |= ((b.q[4 * (g + 16 * quarter) + i] >> 4) & 3) << (2 * quarter);
+                }
+            }
         }
         for j in 0..16 {
             main[3072 + 16 * j + col] = b.sc[j];
@@ -1643,8 +1653,8 @@ impl Format for Q5_0 {
     }
 
     fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
+        put_nibs(main, col, 8, &b.q[..32]);
         for k in 0..32 {
-            put_nib(main, k, col, 8, b.q[k]);
             main[256 + 4 * col + k % 4] |= ((b.q[k] >> 4) & 1) << (k / 4);
         }
         aux[2 * col..2 * col + 2].copy_from_slice(&b.d.to_le_bytes());
@@ -1839,9 +1849,7 @@ impl Format for Q4_1 {
     }
 
     fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock) {
-        for k in 0..32 {
-            put_nib(main, k, col, 8, b.q[k]);
-        }
+        put_nibs(main, col, 8, &b.q[..32]);
         aux[2 * col..2 * col + 2].copy_from_slice(&b.d.to_le_bytes());
         aux[32 + 2 * col..32 + 2 * col + 2].copy_from_slice(&b.d2.to_le_bytes());
     }
