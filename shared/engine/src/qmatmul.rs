@@ -731,7 +731,8 @@ mod tests {
     /// may differ (well under 1% of the output scale).
     #[test]
     fn matches_dequantized_f32_matmul() {
-        let (n, k) = (70, 512);
+        // k spans several K chunks of the kernels, the last one partial.
+        let (n, k) = (70, 2560);
         for dtype in TYPES {
             let (kern, deq) = setup(dtype, n, k);
             for m in [1usize, 2, 3, 4, 5, 8, 9, 19] {
@@ -821,15 +822,16 @@ mod tests {
     }
 
     /// Every available ISA path equals the scalar one bit for bit, for every format, row count
-    /// and row position, with n not a multiple of the group and several blocks of k, also with
-    /// Qwen-style outlier activations; and a row's result does not depend on the batch.
+    /// and row position, with n not a multiple of the group and k spanning several K chunks
+    /// (the last one partial), also with Qwen-style outlier activations; and a row's result
+    /// does not depend on the batch.
     #[test]
     fn isa_paths_match_scalar_bit_for_bit() {
         fn check<F: Format>(dtype: GgmlDType)
         where
             F::Act: InputActs,
         {
-            let (n, k) = (37, 1024);
+            let (n, k) = (37, 2560);
             let kern = packed_kernel::<F>(dtype, n, k);
             let mut x = inputs(33, k);
             for r in (0..33).step_by(3) {
