@@ -22,10 +22,17 @@
 //! for any batch size, any position in its row tile and any ISA path.
 //!
 //! **ISA paths** (chosen once at run time, see [`Isa`]): AVX-512 VNNI (16 columns per
-//! register), AVX-VNNI and AVX2 (8 columns, the two halves of a group one after the other; AVX2
-//! emulates `vpdpbusd` with `maddubs` + `madd`, exact because the 4..6-bit weights keep the
-//! pair sums below the i16 limit, and Q8_0 uses the sign trick) and a portable scalar model of
-//! the same lanes (the reference in tests).
+//! register), AVX-VNNI and AVX2 (8 columns, the two halves of a group one after the other) and
+//! a portable scalar model of the same lanes (the reference in tests). AVX2 has no `vpdpbusd`:
+//! it sums the `maddubs` products of a whole sub-block in i16 lanes and widens them once, with
+//! the sub-block scale as the other operand of the widening `madd` ([`Simd::I16_SUMS`]; the
+//! 4..6-bit weights keep every sum inside i16, and the offsets start the i16 sums so that only
+//! the final value must fit); Q8_0 uses the sign trick.
+//!
+//! **Loop order** ([`Packed::run`]): per column group, K chunks of 1,024 values; per chunk,
+//! row tiles (8 rows on 512-bit and AVX2, 4 on AVX-VNNI) and the group's halves, so the chunk's
+//! weights and a tile's activations stay in L1 while every tile passes over them. Partial sums
+//! wait in the output between chunks, and each output still adds its blocks in k order.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
