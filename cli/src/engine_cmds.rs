@@ -271,6 +271,11 @@ pub struct EngineBenchArgs {
     /// bandwidth and an int8 dot-product peak loop per ISA).
     #[arg(long)]
     pub kernels: bool,
+    /// With --kernels: the weight shape `NxK` (output columns × input values). Default
+    /// 8960x1536, the gate/up shape of Qwen2.5-1.5B; 1536x8960 is its down projection,
+    /// 2048x1536 its fused Q/K/V. K must be a multiple of 256 (the K-quant block).
+    #[arg(long, requires = "kernels", value_parser = parse_kernel_shape, default_value = "8960x1536")]
+    pub shape: (usize, usize),
     /// CPU threads (rayon pool size).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -516,9 +521,26 @@ struct KernelReport {
     rows: Vec<KernelRow>,
 }
 
-/// `engine-bench --kernels`: per format, ISA path and row count, on the gate/up shape of
-/// Qwen2.5-1.5B (8960 × 1536), weights cycled through enough copies to stream from DRAM as
-/// in a forward pass.
+/// `--shape NxK`: two positive sizes, K a multiple of 256 (every format's block divides it).
+fn parse_kernel_shape(s: &str) -> Result<(usize, usize), String> {
+    let parse = |v: &str| v.trim().parse::<usize>().ok().filter(|&x| x > 0);
+    let (n, k) = s
+        .split_once(['x', 'X'])
+        .and_then(|(n, k)| Some((parse(n)?, parse(k)?)))
+        .ok_or_else(|| {
+            format!("shape '{s}': expected NxK with two positive integers, e.g. 1536x8960")
+        })?;
+    if k % 256 != 0 {
+        return Err(format!(
+            "shape '{s}': K = {k} is not a multiple of 256 (the K-quant block)"
+        ));
+    }
+    Ok((n, k))
+}
+
+/// `engine-bench --kernels`: per format, ISA path and row count, on one weight shape (`--shape`,
+/// by default the gate/up shape of Qwen2.5-1.5B, 8960 × 1536), weights cycled through enough
+/// copies to stream from DRAM as in a forward pass.
 fn kernel_bench(args: &EngineBenchArgs) -> Result<()> {
     let threads = args
         .threads
@@ -527,7 +549,7 @@ fn kernel_bench(args: &EngineBenchArgs) -> Result<()> {
         eprintln!("measuring this machine's peaks ({threads} threads for bandwidth) ...");
     }
     let peaks = roofline::measure(threads);
-    let (n, k) = (8960, 1536);
+    let (n, k) = args.shape;
     let mut rows = Vec::new();
     for format in kernels::FORMATS {
         for isa in kernels::Isa::ALL.into_iter().filter(|i| i.available()) {
@@ -587,4 +609,21 @@ fn kernel_bench(args: &EngineBenchArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_kernel_shape;
+
+    #[test]
+    fn kernel_shapes_parse_and_bad_ones_say_why() {
+        assert_eq!(parse_kernel_shape("1536x8960"), Ok((1536, 8960)));
+        assert_eq!(parse_kernel_shape("37X512"), Ok((37, 512)));
+        for bad in ["", "1536", "x8960", "0x256", "1536x-256", "axb"] {
+            let err = parse_kernel_shape(bad).unwrap_err();
+            assert!(err.contains("expected NxK"), "{bad}: {err}");
+        }
+        let err = parse_kernel_shape("1536x1000").unwrap_err();
+        assert!(err.contains("multiple of 256"), "{err}");
+    }
 }
