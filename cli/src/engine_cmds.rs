@@ -276,6 +276,11 @@ pub struct EngineBenchArgs {
     /// 2048x1536 its fused Q/K/V. K must be a multiple of 256 (the K-quant block).
     #[arg(long, requires = "kernels", value_parser = parse_kernel_shape, default_value = "8960x1536")]
     pub shape: (usize, usize),
+    /// After the t(n) timings: measure this machine's read bandwidth (all threads) and the
+    /// int8 peak of the kernels' ISA, and print each t(n)'s roofline, max(weight bytes /
+    /// bandwidth, n · weights / (threads · peak)), and how far above it the median is.
+    #[arg(long, conflicts_with = "kernels")]
+    pub roofline: bool,
     /// CPU threads (rayon pool size).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -310,6 +315,11 @@ struct TreeTiming {
     ms_min: f64,
     /// t(n) / t(1).
     ratio: f64,
+    /// With --roofline: max(weight bytes / read bandwidth, n · weights / int8 peak of all
+    /// threads), ms.
+    roofline_ms: Option<f64>,
+    /// With --roofline: median over the roofline.
+    over_roofline: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -446,6 +456,8 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
             ms_median,
             ms_min,
             ratio,
+            roofline_ms: None,
+            over_roofline: None,
         };
         if !args.json {
             eprintln!(
@@ -454,6 +466,41 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
             );
         }
         timings.push(row);
+    }
+    if args.roofline {
+        let isa = kernels::active_isa();
+        let peaks = roofline::measure(rayon_threads());
+        let weights = model.matmul_weights();
+        match (peaks.int8_peak(isa.name()), weights) {
+            (Some(peak), Some((bytes, weights))) => {
+                let (bytes, weights) = (bytes as f64, weights as f64);
+                let threads = rayon_threads() as f64;
+                let memory_ms = bytes / (peaks.read_gbps_all_threads * 1e9) * 1e3;
+                let per_row_ms = weights / (threads * peak * 1e9) * 1e3;
+                for row in &mut timings {
+                    let roof = memory_ms.max(row.n as f64 * per_row_ms);
+                    row.roofline_ms = Some(roof);
+                    row.over_roofline = Some(row.ms_median / roof);
+                }
+                if !args.json {
+                    eprintln!(
+                        "roofline: {:.0} MB of weights at {:.1} GB/s ({} threads) = {:.1} ms; {:.2} G multiply-adds per row at {:.0} G MAC/s per core ({}) = {:.1} ms per row",
+                        bytes / 1e6,
+                        peaks.read_gbps_all_threads,
+                        peaks.threads,
+                        memory_ms,
+                        weights / 1e9,
+                        peak,
+                        isa.name(),
+                        per_row_ms
+                    );
+                }
+            }
+            _ => eprintln!(
+                "roofline: not available (needs every projection on the CPU quantized kernels and a measured int8 peak for {})",
+                isa.name()
+            ),
+        }
     }
     let report = BenchReport {
         model: info.name.clone(),
@@ -485,15 +532,28 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
             "prefill {:.1} tokens/s   decode {:.2} tokens/s ({:.2} ms/token)",
             report.prefill_tokens_per_second, report.decode_tokens_per_second, decode_ms_median
         );
-        println!(
+        let roof = args.roofline && report.t.iter().any(|r| r.roofline_ms.is_some());
+        print!(
             "{:>5} {:>7} {:>11} {:>11} {:>9}",
             "n", "levels", "median ms", "min ms", "t(n)/t(1)"
         );
+        println!(
+            "{}",
+            if roof {
+                "  roofline ms  x roofline"
+            } else {
+                ""
+            }
+        );
         for r in &report.t {
-            println!(
+            print!(
                 "{:>5} {:>7} {:>11.2} {:>11.2} {:>9.2}",
                 r.n, r.levels, r.ms_median, r.ms_min, r.ratio
             );
+            match (r.roofline_ms, r.over_roofline) {
+                (Some(ms), Some(x)) => println!(" {ms:>12.2} {x:>10.2}"),
+                _ => println!(),
+            }
         }
     }
     Ok(())

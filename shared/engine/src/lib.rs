@@ -75,6 +75,11 @@ pub use model::{BatchEntry, BatchShape, Kernels, Model, ModelInfo};
 pub mod kernels {
     pub use crate::qkernels::Isa;
     pub use crate::qmatmul::{kernel_report, repack_stats, KernelTiming};
+
+    /// The path the kernels run on in this process (`SEQUOIA_KERNEL_ISA` or the best one).
+    pub fn active_isa() -> Isa {
+        crate::qkernels::isa()
+    }
     use crate::EngineError;
     use candle_core::quantized::GgmlDType;
 

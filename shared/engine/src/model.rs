@@ -486,6 +486,27 @@ impl Model {
         &self.info
     }
 
+    /// What one forward row costs in the CPU kernels, for a roofline: the bytes of weights a
+    /// forward reads and the multiply-adds per input row, over every layer's projections and the
+    /// LM head (the token embedding is only looked up). None unless every one of them runs on
+    /// the CPU quantized kernels.
+    pub fn matmul_weights(&self) -> Option<(u64, u64)> {
+        let mut linears: Vec<&Linear> = vec![&self.lm_head];
+        for b in &self.blocks {
+            let (a, m) = (&b.attn, &b.mlp);
+            linears.extend([&a.wq, &a.wk, &a.wv, &a.wo, &m.gate, &m.up, &m.down]);
+        }
+        linears
+            .iter()
+            .try_fold((0u64, 0u64), |(bytes, macs), l| match l {
+                Linear::CpuQuant(k) => Some((
+                    bytes + k.weight_bytes() as u64,
+                    macs + (k.out_features() * k.in_features()) as u64,
+                )),
+                _ => None,
+            })
+    }
+
     pub fn device(&self) -> &Device {
         &self.device
     }

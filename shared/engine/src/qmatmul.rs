@@ -110,6 +110,8 @@ impl InputActs for Act32 {
 pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
     fn out_features(&self) -> usize;
     fn in_features(&self) -> usize;
+    /// Bytes of weights a matmul reads.
+    fn weight_bytes(&self) -> usize;
     /// `dst (m × out) = lhs (m × in) · Wᵀ`, both row-major.
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]);
     /// The first `n_out` output columns only: `dst (m × n_out)`, each value bit-identical to the
@@ -257,6 +259,10 @@ impl<T: GgmlType + 'static> QKernel for QWeight<T> {
         self.k
     }
 
+    fn weight_bytes(&self) -> usize {
+        std::mem::size_of_val(self.blocks.as_slice())
+    }
+
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {
         let (n, k) = (self.n, self.k);
         assert_eq!(lhs.len(), m * k, "matmul input size");
@@ -348,6 +354,10 @@ where
 
     fn in_features(&self) -> usize {
         self.w.k
+    }
+
+    fn weight_bytes(&self) -> usize {
+        self.w.size_bytes()
     }
 
     fn matmul(&self, m: usize, lhs: &[f32], dst: &mut [f32]) {

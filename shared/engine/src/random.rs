@@ -293,6 +293,32 @@ mod tests {
     use candle_core::quantized::ggml_file::qtensor_from_ggml;
     use candle_core::Device;
 
+    /// The roofline's inputs count every projection and the LM head once, and not the token
+    /// embedding (a separate matrix in this untied shape, only looked up).
+    #[test]
+    fn matmul_weights_count_the_projections_and_the_head_not_the_embedding() {
+        let spec = RandomSpec::named("tiny").unwrap();
+        let s = &spec.shape;
+        assert!(!s.tied);
+        let model = crate::Model::random(
+            &spec,
+            &crate::LoadOptions::default(),
+            crate::Kernels::Native,
+        )
+        .unwrap();
+        let (bytes, macs) = model
+            .matmul_weights()
+            .expect("every projection is quantized");
+        let (h, kv) = (s.hidden, s.kv_heads * spec.head_dim());
+        let per_layer = 2 * h * h + 2 * kv * h + 3 * s.intermediate * h;
+        assert_eq!(macs, (s.layers * per_layer + s.vocab_size * h) as u64);
+        // 4.5 to 8.5 bits per weight (Q4_K to Q8_0) plus scales, padding to whole groups.
+        assert!(
+            bytes > macs / 2 && bytes < macs + macs / 8,
+            "{bytes} bytes for {macs} weights"
+        );
+    }
+
     #[test]
     fn real_shapes_have_the_published_sizes() {
         // Parameter counts from the Qwen2.5 model cards (incl. embeddings): 0.49B, 1.54B, 7.61B,
