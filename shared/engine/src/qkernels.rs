@@ -1105,6 +1105,77 @@ unsafe fn epi32<S: Simd, const R: usize>(
     }
 }
 
+/// One weight line `w` against the 4 activation bytes at `byte` of every row of the tile: into
+/// i16 sums where [`Simd::I16_SUMS`], else by `dpbusd`, with the `odd` lines in a second chain
+/// `b` for tiles of up to 2 rows (`vpdpbusd` needs independent chains, see [`q4k_pair`]).
+#[inline(always)]
+unsafe fn dot_line<S: Simd, A, const R: usize>(
+    a: &mut [S::I; R],
+    b: &mut [S::I; R],
+    w: S::I,
+    acts: &[*const A; R],
+    byte: usize,
+    odd: bool,
+) {
+    for r in 0..R {
+        // SAFETY: caller: `byte` lies inside the rows' activation blocks.
+        let x = unsafe { S::bcast(bcast_q(acts[r], byte)) };
+        // SAFETY: the CPU supports `S` (caller).
+        unsafe {
+            if S::I16_SUMS {
+                a[r] = S::add16(a[r], S::maddubs(w, x));
+            } else if R <= 2 && odd {
+                b[r] = S::dpbusd(b[r], w, x);
+            } else {
+                a[r] = S::dpbusd(a[r], w, x);
+            }
+        }
+    }
+}
+
+/// The [`dot_line`] sums of each row times the sub-block scales `sc` (i32 lanes), added to
+/// `sumi`: one `madd` with the scale pairs from i16 sums, else the chains' total times `sc`.
+#[inline(always)]
+unsafe fn add_scaled<S: Simd, const R: usize>(
+    sumi: &mut [S::I; R],
+    a: &[S::I; R],
+    b: &[S::I; R],
+    sc: S::I,
+) {
+    // SAFETY: the CPU supports `S` (caller).
+    unsafe {
+        if S::I16_SUMS {
+            let sc = S::dup16(sc);
+            for r in 0..R {
+                sumi[r] = S::dpwssd(sumi[r], a[r], sc);
+            }
+        } else {
+            for r in 0..R {
+                let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
+                sumi[r] = S::add(sumi[r], S::mullo(s, sc));
+            }
+        }
+    }
+}
+
+/// The [`dot_line`] sums of each row as i32 lanes, in `a`.
+#[inline(always)]
+unsafe fn widen<S: Simd, const R: usize>(a: &mut [S::I; R], b: &[S::I; R]) {
+    // SAFETY: the CPU supports `S` (caller).
+    unsafe {
+        if S::I16_SUMS {
+            let ones = S::bcast(&ONES16 as *const u32 as *const u8);
+            for v in a.iter_mut() {
+                *v = S::dpwssd(S::zero(), *v, ones);
+            }
+        } else if R <= 2 {
+            for r in 0..R {
+                a[r] = S::add(a[r], b[r]);
+            }
+        }
+    }
+}
+
 /// Q4_K sub-block `4·HI + j` (k-groups `8j..8j+8` of the low or high nibbles): its integer
 /// dot times its scale, added to `sumi`.
 #[inline(always)]
@@ -1120,28 +1191,7 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
         let m4 = S::set1_i8(0x0F);
         let sb = 4 * HI as usize + j;
         let sc = S::load_u8_i32(main.add(2048 + 16 * sb + S::LANES * half));
-        if S::I16_SUMS {
-            // Each i16 lane sums 16 products of at most 15 · 127: 30,480.
-            let mut a = [S::zero(); R];
-            for t in 0..8 {
-                let c = 8 * j + t;
-                let v = S::load(main.add(64 * c + 32 * half));
-                let w = if HI {
-                    S::and(S::shr16(v, 4), m4)
-                } else {
-                    S::and(v, m4)
-                };
-                let g = 32 * HI as usize + c;
-                for r in 0..R {
-                    a[r] = S::add16(a[r], S::maddubs(w, S::bcast(bcast_q(acts[r], 4 * g))));
-                }
-            }
-            let sc = S::dup16(sc);
-            for r in 0..R {
-                sumi[r] = S::dpwssd(sumi[r], a[r], sc);
-            }
-            return;
-        }
+        // With i16 sums, each lane sums 16 products of at most 15 · 127: 30,480.
         let mut a = [S::zero(); R];
         let mut b = [S::zero(); R];
         for t in 0..8 {
@@ -1153,19 +1203,9 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
                 S::and(v, m4)
             };
             let g = 32 * HI as usize + c;
-            for r in 0..R {
-                let x = S::bcast(bcast_q(acts[r], 4 * g));
-                if R <= 2 && t % 2 == 1 {
-                    b[r] = S::dpbusd(b[r], w, x);
-                } else {
-                    a[r] = S::dpbusd(a[r], w, x);
-                }
-            }
+            dot_line::<S, _, R>(&mut a, &mut b, w, acts, 4 * g, t % 2 == 1);
         }
-        for r in 0..R {
-            let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
-            sumi[r] = S::add(sumi[r], S::mullo(s, sc));
-        }
+        add_scaled::<S, R>(sumi, &a, &b, sc);
     }
 }
 
@@ -1336,43 +1376,14 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
         let m30 = S::set1_i8(0x30);
         let sb = 4 * Q + j;
         let sc = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
-        if S::I16_SUMS {
-            // Each i16 lane ends at the sum of 8 products (w − 32) · x, at most 32 · 127 each:
-            // 32,512; `maddubs` itself sees two products of at most 63 · 127, and the
-            // wrapping adds in between cancel.
-            let mut a = [S::zero(); R];
-            for r in 0..R {
-                a[r] = S::bcast((*acts[r]).off16p.as_ptr().add(sb) as *const u8);
-            }
-            for t in 0..4 {
-                let g = 16 * Q + 4 * j + t;
-                let v = S::load(main.add(64 * (g % 32) + 32 * half));
-                let lo = if Q >= 2 {
-                    S::and(S::shr16(v, 4), m4)
-                } else {
-                    S::and(v, m4)
-                };
-                let hv = S::load(main.add(2048 + 64 * (4 * j + t) + 32 * half));
-                let hb = match Q {
-                    0 => S::shl16(hv, 4),
-                    1 => S::shl16(hv, 2),
-                    2 => hv,
-                    _ => S::shr16(hv, 2),
-                };
-                let w = S::or(lo, S::and(hb, m30));
-                for r in 0..R {
-                    a[r] = S::add16(a[r], S::maddubs(w, S::bcast(bcast_q(acts[r], 4 * g))));
-                }
-            }
-            let sc = S::dup16(sc);
-            for r in 0..R {
-                sumi[r] = S::dpwssd(sumi[r], a[r], sc);
-            }
-            return;
-        }
+        // The sums start at the −32 offset. With i16 sums each lane ends at the sum of 8
+        // products (w − 32) · x, at most 32 · 127 each: 32,512; `maddubs` itself sees two
+        // products of at most 63 · 127, and the wrapping adds in between cancel.
         let mut a = [S::zero(); R];
         for r in 0..R {
-            a[r] = S::bcast((*acts[r]).init16.as_ptr().add(sb) as *const u8);
+            let x = &*acts[r];
+            let init = if S::I16_SUMS { &x.off16p } else { &x.init16 };
+            a[r] = S::bcast(init.as_ptr().add(sb) as *const u8);
         }
         let mut b = [S::zero(); R];
         for t in 0..4 {
@@ -1391,19 +1402,9 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
                 _ => S::shr16(hv, 2),
             };
             let w = S::or(lo, S::and(hb, m30));
-            for r in 0..R {
-                let x = S::bcast(bcast_q(acts[r], 4 * g));
-                if R <= 2 && t % 2 == 1 {
-                    b[r] = S::dpbusd(b[r], w, x);
-                } else {
-                    a[r] = S::dpbusd(a[r], w, x);
-                }
-            }
+            dot_line::<S, _, R>(&mut a, &mut b, w, acts, 4 * g, t % 2 == 1);
         }
-        for r in 0..R {
-            let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
-            sumi[r] = S::add(sumi[r], S::mullo(s, sc));
-        }
+        add_scaled::<S, R>(sumi, &a, &b, sc);
     }
 }
 
@@ -1725,47 +1726,20 @@ impl Format for Q5_0 {
                 };
                 S::or(lo, S::and(hb, m10))
             };
-            if S::I16_SUMS {
-                // Each i16 lane ends at the sum of 16 products (w − 16) · x, at most 16 · 127
-                // each: 32,512 (wrapping adds in between cancel).
-                let mut a = [S::zero(); R];
-                for r in 0..R {
-                    a[r] = S::bcast(&(*acts[r]).off16p as *const i32 as *const u8);
-                }
-                for g in 0..8 {
-                    let w = weights(g);
-                    for r in 0..R {
-                        a[r] = S::add16(a[r], S::maddubs(w, S::bcast(bcast_q(acts[r], 4 * g))));
-                    }
-                }
-                let ones = S::bcast(&ONES16 as *const u32 as *const u8);
-                for r in 0..R {
-                    a[r] = S::dpwssd(S::zero(), a[r], ones);
-                }
-                epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
-                return;
-            }
+            // The sums start at the −16 offset. With i16 sums each lane ends at the sum of 16
+            // products (w − 16) · x, at most 16 · 127 each: 32,512 (wrapping adds in between
+            // cancel).
             let mut a = [S::zero(); R];
             let mut b = [S::zero(); R];
             for r in 0..R {
-                a[r] = S::bcast(&(*acts[r]).n16 as *const i32 as *const u8);
+                let x = &*acts[r];
+                let init = if S::I16_SUMS { &x.off16p } else { &x.n16 };
+                a[r] = S::bcast(init as *const i32 as *const u8);
             }
             for g in 0..8 {
-                let w = weights(g);
-                for r in 0..R {
-                    let x = S::bcast(bcast_q(acts[r], 4 * g));
-                    if R <= 2 && g % 2 == 1 {
-                        b[r] = S::dpbusd(b[r], w, x);
-                    } else {
-                        a[r] = S::dpbusd(a[r], w, x);
-                    }
-                }
+                dot_line::<S, _, R>(&mut a, &mut b, weights(g), acts, 4 * g, g % 2 == 1);
             }
-            if R <= 2 {
-                for r in 0..R {
-                    a[r] = S::add(a[r], b[r]);
-                }
-            }
+            widen::<S, R>(&mut a, &b);
             epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
         }
     }
@@ -1910,37 +1884,13 @@ impl Format for Q4_1 {
             pf.part(0, 1, Self::MAIN);
             let m4 = S::set1_i8(0x0F);
             let mut a = [S::zero(); R];
-            if S::I16_SUMS {
-                // Each i16 lane sums 16 products of at most 15 · 127: 30,480.
-                for g in 0..8 {
-                    let w = nibbles::<S>(main, g, 8, half, m4);
-                    for r in 0..R {
-                        a[r] = S::add16(a[r], S::maddubs(w, S::bcast(bcast_q(acts[r], 4 * g))));
-                    }
-                }
-                let ones = S::bcast(&ONES16 as *const u32 as *const u8);
-                for r in 0..R {
-                    a[r] = S::dpwssd(S::zero(), a[r], ones);
-                }
-            } else {
-                let mut b = [S::zero(); R];
-                for g in 0..8 {
-                    let w = nibbles::<S>(main, g, 8, half, m4);
-                    for r in 0..R {
-                        let x = S::bcast(bcast_q(acts[r], 4 * g));
-                        if R <= 2 && g % 2 == 1 {
-                            b[r] = S::dpbusd(b[r], w, x);
-                        } else {
-                            a[r] = S::dpbusd(a[r], w, x);
-                        }
-                    }
-                }
-                if R <= 2 {
-                    for r in 0..R {
-                        a[r] = S::add(a[r], b[r]);
-                    }
-                }
+            let mut b = [S::zero(); R];
+            // With i16 sums each lane sums 16 products of at most 15 · 127: 30,480.
+            for g in 0..8 {
+                let w = nibbles::<S>(main, g, 8, half, m4);
+                dot_line::<S, _, R>(&mut a, &mut b, w, acts, 4 * g, g % 2 == 1);
             }
+            widen::<S, R>(&mut a, &b);
             epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
             let m = S::load_f16(aux.add(32 + 2 * S::LANES * half));
             for r in 0..R {
