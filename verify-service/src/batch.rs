@@ -11,12 +11,15 @@
 //!    taken, so a tree larger than the budget runs alone). Nobody is overtaken: a tree that does
 //!    not fit is first in the next batch.
 //! 4. Running sessions come first. While any other session is running (its tree is in the batch,
-//!    or it is between steps), prefills get `prefill_chunk` rows together, so every running
-//!    session's step costs at most a forward of its batch's trees plus one small chunk, not a
-//!    whole row budget of someone's prompt (that made the slowest steps at 8 sessions 10× a
-//!    lone session's); a long new prompt still advances every batch. When every open session
-//!    is prefilling, the prefills take the whole row budget, so a prompt on an idle node runs at
-//!    full speed.
+//!    or it is between steps), prefills get a small chunk of rows together, so every running
+//!    session's step costs at most a forward of its batch's trees plus that chunk, not a whole
+//!    row budget of someone's prompt (that made the slowest steps at 8 sessions 10× a lone
+//!    session's); a long new prompt still advances every batch, by at least one row. The chunk
+//!    is what `prefill_share` of the trees' forward time buys at this node's measured cost per
+//!    row ([`RowCost`]), at most `prefill_chunk` rows: a node whose forwards are bound by memory
+//!    takes the whole chunk almost free, one bound by compute (a CPU without int8 dot products)
+//!    takes a few rows. When every open session is prefilling, the prefills take the whole row
+//!    budget, so a prompt on an idle node runs at full speed.
 //!    An unfinished prefill keeps its place at the head of the queue.
 //! 5. One `Model::forward_batch`; then each tree is verified and its cache compacted, each
 //!    session gets its verdict. If the batch fails, every entry is run again on its own so one
@@ -46,9 +49,14 @@ pub struct BatchConfig {
     pub max_rows: usize,
     /// How long a batch may wait for other open sessions' trees, in microseconds.
     pub max_wait_us: u64,
-    /// Prompt tokens the prefills advance by, together, per batch while other sessions are
-    /// running (when every open session is prefilling, up to `max_rows`).
+    /// Most prompt tokens the prefills advance by, together, per batch while other sessions
+    /// are running (when every open session is prefilling, up to `max_rows`).
     pub prefill_chunk: usize,
+    /// While other sessions are running, the prefill rows of a batch may add at most this share
+    /// of the forward time its trees take alone (at the node's measured cost per row; at least
+    /// one row, at most `prefill_chunk`). Lower: steadier steps for running sessions, a later
+    /// first token for new ones.
+    pub prefill_share: f64,
 }
 
 impl Default for BatchConfig {
@@ -58,6 +66,7 @@ impl Default for BatchConfig {
             max_rows: 64,
             max_wait_us: 2000,
             prefill_chunk: 16,
+            prefill_share: 0.5,
         }
     }
 }
@@ -69,6 +78,12 @@ impl BatchConfig {
         }
         if self.prefill_chunk == 0 {
             return Err("batch.prefill_chunk must be at least 1".into());
+        }
+        if !(self.prefill_share > 0.0 && self.prefill_share <= 100.0) {
+            return Err(format!(
+                "batch.prefill_share must be above 0 and at most 100, got {}",
+                self.prefill_share
+            ));
         }
         if self.max_wait_us > 1_000_000 {
             return Err("batch.max_wait_us must be at most 1000000 (one second)".into());
@@ -106,17 +121,80 @@ enum Done {
     Verified(StepResult),
 }
 
-/// Rows the waiting prefills may take together in a batch (module doc, step 4): a small chunk
-/// while any other session is running (its tree is in this batch, or it is between steps and
-/// may send one while this forward runs), the whole budget on a node with nothing but prefills
-/// to do.
-fn prefill_budget(config: &BatchConfig, others_running: bool) -> usize {
+/// Rows the waiting prefills may take together in a batch (module doc, step 4): the whole
+/// budget on a node with nothing but prefills to do; while any other session is running (its
+/// tree is in this batch, or it is between steps and may send one while this forward runs), as
+/// many rows as add `prefill_share` of the forward time of `tree_rows` rows of trees at the
+/// fitted `cost` (fixed ms, ms per row), but at least one per `prefilling` session (a prompt
+/// waiting behind others is not starved) and at most `prefill_chunk`; the whole chunk before
+/// the node has a fit.
+fn prefill_budget(
+    config: &BatchConfig,
+    others_running: bool,
+    tree_rows: f64,
+    prefilling: usize,
+    cost: Option<(f64, f64)>,
+) -> usize {
     if !others_running {
-        config.max_rows.max(config.prefill_chunk)
-    } else {
-        config.prefill_chunk
+        return config.max_rows.max(config.prefill_chunk);
+    }
+    let Some((fixed_ms, row_ms)) = cost else {
+        return config.prefill_chunk;
+    };
+    let trees_ms = fixed_ms + row_ms * tree_rows;
+    let rows = (config.prefill_share * trees_ms / row_ms).floor() as usize;
+    rows.max(prefilling).clamp(1, config.prefill_chunk)
+}
+
+/// Forward time against rows, fitted by least squares over recent batches with exponential
+/// forgetting: the node's fixed cost per forward (reading the weights) and what one more row
+/// adds, as they are now (they move with load on the host and differ by an order of magnitude
+/// between CPUs that are bound by memory and those bound by compute at a few rows).
+#[derive(Debug, Default)]
+struct RowCost {
+    weight: f64,
+    rows: f64,
+    ms: f64,
+    rows_sq: f64,
+    rows_ms: f64,
+    /// The last fit the batches could tell apart; kept while recent batches are all of one size.
+    last: Option<(f64, f64)>,
+}
+
+/// Weight of older batches in [`RowCost`] (per batch): about the last 30 count.
+const ROW_COST_DECAY: f64 = 0.97;
+
+impl RowCost {
+    fn observe(&mut self, rows: usize, ms: f64) {
+        if rows == 0 || !(ms.is_finite() && ms > 0.0) {
+            return;
+        }
+        let (x, d) = (rows as f64, ROW_COST_DECAY);
+        self.weight = d * self.weight + 1.0;
+        self.rows = d * self.rows + x;
+        self.ms = d * self.ms + ms;
+        self.rows_sq = d * self.rows_sq + x * x;
+        self.rows_ms = d * self.rows_ms + x * ms;
+        // A fit needs batches of different sizes (a spread of two rows either way), or noise
+        // in the times decides the slope.
+        let (mx, my) = (self.rows / self.weight, self.ms / self.weight);
+        let var = self.rows_sq / self.weight - mx * mx;
+        if self.weight >= 3.0 && var >= 4.0 {
+            let per_row = (self.rows_ms / self.weight - mx * my) / var;
+            if per_row > 0.0 {
+                self.last = Some(((my - per_row * mx).max(0.0), per_row));
+            }
+        }
+    }
+
+    /// (fixed ms per forward, ms per row), once batches of different sizes have been seen.
+    fn fit(&self) -> Option<(f64, f64)> {
+        self.last
     }
 }
+
+/// Weight of the newest batch in the running mean of tree rows per batch.
+const TREE_ROWS_GAIN: f64 = 0.2;
 
 fn stopped() -> SessionError {
     SessionError::Unavailable("the verify node's batch scheduler stopped".into())
@@ -201,6 +279,10 @@ struct Runner {
     queue: VecDeque<Job>,
     window_start: Instant,
     busy: Duration,
+    row_cost: RowCost,
+    /// Running mean of tree rows in batches that had trees: what the running sessions' next
+    /// batch will likely hold when this one has none yet (they are between steps).
+    tree_rows: f64,
 }
 
 /// One job's part of a batch: how many of its tokens go in.
@@ -224,6 +306,8 @@ impl Runner {
             queue: VecDeque::new(),
             window_start: Instant::now(),
             busy: Duration::ZERO,
+            row_cost: RowCost::default(),
+            tree_rows: 0.0,
         }
     }
 
@@ -311,7 +395,19 @@ impl Runner {
         // steps, they may send a tree any moment, and it should not wait behind a whole row
         // budget of someone's prompt.
         let others_running = rows > 0 || self.admission.active() > prefills.len();
-        let mut budget = prefill_budget(&self.config, others_running);
+        if rows > 0 {
+            self.tree_rows += TREE_ROWS_GAIN * (rows as f64 - self.tree_rows);
+        }
+        let mut budget = prefill_budget(
+            &self.config,
+            others_running,
+            (rows as f64).max(self.tree_rows),
+            prefills.len(),
+            self.row_cost.fit(),
+        );
+        if !prefills.is_empty() {
+            tracing::debug!(budget, tree_rows = rows, prefills = prefills.len(), fit = ?self.row_cost.fit(), "prefill rows");
+        }
         let mut unfinished = Vec::new();
         for job in prefills {
             let Work::Prefill { tokens, done, .. } = &job.work else {
@@ -353,6 +449,7 @@ impl Runner {
             Err(e) => vec![Err(e)],
         };
         let took = started.elapsed();
+        self.row_cost.observe(rows_total, took.as_secs_f64() * 1e3);
         self.metrics.batch_finished(took);
         self.account(took);
         let mut unfinished = Vec::new();
@@ -451,11 +548,20 @@ mod tests {
     #[test]
     fn prefills_take_a_small_chunk_while_others_run_and_the_whole_budget_alone() {
         let config = BatchConfig::default();
-        assert_eq!(prefill_budget(&config, false), config.max_rows);
+        assert_eq!(
+            prefill_budget(&config, false, 8.0, 1, None),
+            config.max_rows
+        );
+        assert_eq!(
+            prefill_budget(&config, false, 8.0, 1, Some((40.0, 11.0))),
+            config.max_rows
+        );
         // Trees in the batch, or another session between steps: its next tree must not wait
-        // behind a whole row budget of prompt. The prefill still advances by its chunk, however
-        // many rows the trees take.
-        assert_eq!(prefill_budget(&config, true), config.prefill_chunk);
+        // behind a whole row budget of prompt. Before the node knows its costs, the chunk.
+        assert_eq!(
+            prefill_budget(&config, true, 8.0, 1, None),
+            config.prefill_chunk
+        );
         assert!(config.prefill_chunk < config.max_rows / 2);
         // A chunk larger than the budget is honoured alone too.
         let wide = BatchConfig {
@@ -463,7 +569,94 @@ mod tests {
             prefill_chunk: 32,
             ..BatchConfig::default()
         };
-        assert_eq!(prefill_budget(&wide, false), 32);
-        assert_eq!(prefill_budget(&wide, true), 32);
+        assert_eq!(prefill_budget(&wide, false, 0.0, 1, None), 32);
+        assert_eq!(prefill_budget(&wide, true, 0.0, 1, None), 32);
+    }
+
+    #[test]
+    fn prefill_chunks_follow_what_a_row_costs_on_this_node() {
+        let config = BatchConfig {
+            prefill_share: 0.25,
+            ..BatchConfig::default()
+        };
+        // Bound by memory: 40 ms to read the weights, 1 ms per row. 8 rows of trees take 48
+        // ms; a quarter of that buys 12 rows.
+        assert_eq!(prefill_budget(&config, true, 8.0, 1, Some((40.0, 1.0))), 12);
+        // Faster still: capped at the chunk.
+        assert_eq!(
+            prefill_budget(&config, true, 8.0, 1, Some((40.0, 0.2))),
+            config.prefill_chunk
+        );
+        // Bound by compute (AVX2 without int8 dot products): 11 ms per row, so 8 rows of trees
+        // take 128 ms and a quarter of that is 2 rows, where 16 would have more than doubled
+        // every running session's step.
+        assert_eq!(prefill_budget(&config, true, 8.0, 1, Some((40.0, 11.0))), 2);
+        // More trees, more room; nothing affordable still advances the prompt by a row.
+        assert!(prefill_budget(&config, true, 32.0, 1, Some((40.0, 11.0))) > 2);
+        assert_eq!(prefill_budget(&config, true, 0.0, 1, Some((1.0, 50.0))), 1);
+        // Every waiting prompt advances by a row per batch, however little that buys.
+        assert_eq!(prefill_budget(&config, true, 0.0, 5, Some((1.0, 50.0))), 5);
+        assert_eq!(
+            prefill_budget(&config, true, 0.0, 40, Some((1.0, 50.0))),
+            config.prefill_chunk
+        );
+        // A larger share buys more rows (the default is half the trees' time).
+        let generous = BatchConfig {
+            prefill_share: 1.0,
+            ..BatchConfig::default()
+        };
+        assert_eq!(
+            prefill_budget(&generous, true, 8.0, 1, Some((40.0, 11.0))),
+            11
+        );
+        let default = BatchConfig::default();
+        assert_eq!(
+            prefill_budget(&default, true, 8.0, 1, Some((40.0, 11.0))),
+            5
+        );
+    }
+
+    #[test]
+    fn row_cost_fits_fixed_and_per_row_time_and_waits_for_different_sizes() {
+        let mut cost = RowCost::default();
+        // Batches all of one size cannot separate the two.
+        for _ in 0..10 {
+            cost.observe(8, 128.0);
+        }
+        assert_eq!(cost.fit(), None);
+        // Other sizes on the same line 40 + 11 · rows.
+        for rows in [1, 24, 9, 16, 2, 64] {
+            cost.observe(rows, 40.0 + 11.0 * rows as f64);
+        }
+        let (fixed, per_row) = cost.fit().expect("a fit");
+        assert!((fixed - 40.0).abs() < 1e-6 && (per_row - 11.0).abs() < 1e-9);
+        // Bad times are ignored; a run of one size keeps the last fit.
+        cost.observe(8, f64::NAN);
+        cost.observe(0, 10.0);
+        for _ in 0..200 {
+            cost.observe(8, 128.0);
+        }
+        let (fixed, per_row) = cost.fit().expect("kept");
+        assert!(
+            (fixed + 8.0 * per_row - 128.0).abs() < 1.0,
+            "{fixed} {per_row}"
+        );
+        // The host slows down: the fit follows.
+        for rows in [1, 24, 9, 16, 2, 64].repeat(40) {
+            cost.observe(rows, 60.0 + 20.0 * rows as f64);
+        }
+        let (fixed, per_row) = cost.fit().expect("a fit");
+        assert!((fixed - 60.0).abs() < 1.0 && (per_row - 20.0).abs() < 0.1);
+    }
+
+    #[test]
+    fn bad_prefill_shares_are_refused() {
+        for share in [0.0, -1.0, f64::NAN, 1e9] {
+            let c = BatchConfig {
+                prefill_share: share,
+                ..BatchConfig::default()
+            };
+            assert!(c.validate().unwrap_err().contains("prefill_share"));
+        }
     }
 }
