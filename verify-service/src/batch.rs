@@ -450,6 +450,9 @@ impl Runner {
         };
         let took = started.elapsed();
         self.row_cost.observe(rows_total, took.as_secs_f64() * 1e3);
+        if let Some((fixed_ms, per_row_ms)) = self.row_cost.fit() {
+            self.metrics.set_forward_cost(fixed_ms, per_row_ms);
+        }
         self.metrics.batch_finished(took);
         self.account(took);
         let mut unfinished = Vec::new();

@@ -80,6 +80,9 @@ pub const REQUESTS_RUNNING: &str = "sequoia_num_requests_running";
 pub const REQUESTS_WAITING: &str = "sequoia_num_requests_waiting";
 pub const KV_CACHE_USAGE: &str = "sequoia_kv_cache_usage_perc";
 pub const BUSY_RATIO: &str = "sequoia_verify_busy_ratio";
+/// The verify node's fitted forward cost: fixed part (reading the weights) and per row.
+pub const FORWARD_FIXED: &str = "sequoia_verify_forward_fixed_seconds";
+pub const FORWARD_PER_ROW: &str = "sequoia_verify_forward_per_row_seconds";
 pub const PREFIX_CACHE_QUERIES: &str = "sequoia_prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS: &str = "sequoia_prefix_cache_hits_total";
 pub const PREFIX_CACHE_HIT_TOKENS: &str = "sequoia_prefix_cache_hit_tokens_total";
@@ -87,7 +90,7 @@ pub const PREFIX_CACHE_STORED_BYTES: &str = "sequoia_prefix_cache_stored_bytes";
 
 /// Every series registered from the start (all but [`HTTP_REQUESTS`], whose labels are only
 /// known once requests arrive), for tests and docs.
-pub const ALL: [&str; 29] = [
+pub const ALL: [&str; 31] = [
     REQUESTS,
     GENERATED_TOKENS,
     STEPS,
@@ -113,6 +116,8 @@ pub const ALL: [&str; 29] = [
     REQUESTS_WAITING,
     KV_CACHE_USAGE,
     BUSY_RATIO,
+    FORWARD_FIXED,
+    FORWARD_PER_ROW,
     PREFIX_CACHE_QUERIES,
     PREFIX_CACHE_HITS,
     PREFIX_CACHE_HIT_TOKENS,
@@ -168,6 +173,8 @@ struct Inner {
     waiting: Gauge,
     kv_usage: Gauge,
     busy: Gauge,
+    forward_fixed: Gauge,
+    forward_per_row: Gauge,
     prefix_queries: Counter,
     prefix_hits: Counter,
     prefix_hit_tokens: Counter,
@@ -254,6 +261,8 @@ impl Metrics {
             waiting: recorder.register_gauge(&key(REQUESTS_WAITING), &METADATA),
             kv_usage: recorder.register_gauge(&key(KV_CACHE_USAGE), &METADATA),
             busy: recorder.register_gauge(&key(BUSY_RATIO), &METADATA),
+            forward_fixed: recorder.register_gauge(&key(FORWARD_FIXED), &METADATA),
+            forward_per_row: recorder.register_gauge(&key(FORWARD_PER_ROW), &METADATA),
             prefix_queries: recorder.register_counter(&key(PREFIX_CACHE_QUERIES), &METADATA),
             prefix_hits: recorder.register_counter(&key(PREFIX_CACHE_HITS), &METADATA),
             prefix_hit_tokens: recorder.register_counter(&key(PREFIX_CACHE_HIT_TOKENS), &METADATA),
@@ -267,6 +276,8 @@ impl Metrics {
             &inner.waiting,
             &inner.kv_usage,
             &inner.busy,
+            &inner.forward_fixed,
+            &inner.forward_per_row,
             &inner.prefix_stored,
         ] {
             g.set(0.0);
@@ -436,6 +447,15 @@ impl Metrics {
     pub fn set_busy_ratio(&self, fraction: f64) {
         if let Some(i) = &self.0 {
             i.busy.set(fraction);
+        }
+    }
+
+    /// The batch scheduler's fit of forward time = fixed + per row × rows (milliseconds in,
+    /// seconds out): what sizes its prefill chunks, and what a row costs this node now.
+    pub fn set_forward_cost(&self, fixed_ms: f64, per_row_ms: f64) {
+        if let Some(i) = &self.0 {
+            i.forward_fixed.set(fixed_ms / 1e3);
+            i.forward_per_row.set(per_row_ms / 1e3);
         }
     }
 
