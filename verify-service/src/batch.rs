@@ -54,8 +54,8 @@ pub struct BatchConfig {
     pub prefill_chunk: usize,
     /// While other sessions are running, the prefill rows of a batch may add at most this share
     /// of the forward time its trees take alone (at the node's measured cost per row; at least
-    /// one row, at most `prefill_chunk`). Lower: steadier steps for running sessions, a later
-    /// first token for new ones.
+    /// one row per waiting prompt, at most `prefill_chunk`). Lower: steadier steps for running
+    /// sessions, a later first token for new ones.
     pub prefill_share: f64,
 }
 
@@ -436,20 +436,27 @@ impl Runner {
         let waits: Vec<Duration> = batch.iter().map(|s| started - s.job.queued).collect();
         self.metrics
             .batch_started(rows, batch.len(), &waits, self.queue.len());
+        let mut one_forward = true;
         let results = match forward(&self.model, &mut batch) {
             Ok(logits) => logits.into_iter().map(Ok).collect(),
             // Retry each alone, so one session's failure is not another's.
-            Err(_) if batch.len() > 1 => batch
-                .iter_mut()
-                .map(|slot| {
-                    forward(&self.model, std::slice::from_mut(slot))
-                        .map(|mut l| l.pop().expect("one entry, one result"))
-                })
-                .collect(),
+            Err(_) if batch.len() > 1 => {
+                one_forward = false;
+                batch
+                    .iter_mut()
+                    .map(|slot| {
+                        forward(&self.model, std::slice::from_mut(slot))
+                            .map(|mut l| l.pop().expect("one entry, one result"))
+                    })
+                    .collect()
+            }
             Err(e) => vec![Err(e)],
         };
         let took = started.elapsed();
-        self.row_cost.observe(rows_total, took.as_secs_f64() * 1e3);
+        // Only a batch that ran as one forward says what a forward of its rows costs.
+        if one_forward {
+            self.row_cost.observe(rows_total, took.as_secs_f64() * 1e3);
+        }
         if let Some((fixed_ms, per_row_ms)) = self.row_cost.fit() {
             self.metrics.set_forward_cost(fixed_ms, per_row_ms);
         }
