@@ -1903,19 +1903,20 @@ impl Format for Q4_1 {
 // ---------------------------------------------------------------------------------------------
 // Packed matrices.
 
-/// Zeroed bytes for repacked weights, 64-byte aligned. From [`HUGE_FROM`] up (on Linux) they
-/// are a fresh anonymous mapping whose size is rounded up to whole 2 MiB pages and which gets
-/// the huge-page hint (see [`advise_huge_pages`]) before its first touch.
+/// Zeroed bytes for repacked weights, 64-byte aligned. On Linux they are cut from
+/// [`huge::take`]'s chunks: fresh anonymous mappings hinted onto 2 MiB pages before their first
+/// touch, each buffer after the previous one.
 ///
-/// Why a mapping of its own and not the allocator's: heap memory is recycled, and pages that an
-/// earlier buffer (a tensor read from the file, a scratch vector of the repack) already faulted
-/// in stay 4 KiB pages whatever the hint says. With the allocator, 430 of 1,124 MB of the 1.5B
-/// model's weights ended on 4 KiB pages (`AnonHugePages` in `/proc/PID/smaps`), and every 4 KiB
-/// of those costs a page walk and restarts the hardware prefetcher, which stops at page
-/// boundaries. Rounding every matrix up to whole huge pages (a 1.3 MB Q or O projection of the
-/// 1.5B model takes 2 MiB) puts all of them on huge pages for 7 % more resident memory (1,162 →
-/// 1,247 MB for the 1.5B model), and one-thread decode ran 8 % faster (t(1) 85–92 → 78–85 ms,
-/// four alternating runs, Zen 3).
+/// Why not the allocator: heap memory is recycled, and pages that an earlier buffer (a tensor
+/// read from the file, a scratch vector of the repack) already faulted in stay 4 KiB pages
+/// whatever the hint says. With the allocator, 430 of 1,124 MB of the 1.5B model's weights
+/// ended on 4 KiB pages (`AnonHugePages` in `/proc/PID/smaps`), and every 4 KiB of those costs
+/// a page walk and restarts the hardware prefetcher, which stops at page boundaries. On huge
+/// pages (1,116 of 1,160 MB), one-thread t(1) fell 1–8 % for the 1.5B model and 7 % for the
+/// 0.5B draft (alternating runs, Zen 3). Why chunks and not a mapping per matrix: a mapping rounds its matrix up to whole huge
+/// pages (a 1.3 MB Q projection of the 1.5B model takes 2 MiB, a 2.5 MB FFN matrix of the 0.5B
+/// draft 4 MiB), 7 % more resident memory for the 1.5B model; in shared chunks only the last
+/// huge page of a chunk is partly unused.
 struct WeightBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
@@ -1925,29 +1926,28 @@ struct WeightBuf {
 
 enum BufSource {
     Heap(std::alloc::Layout),
+    /// Part of a chunk, unmapped when its last buffer goes.
     #[cfg(target_os = "linux")]
-    Mapping {
-        base: *mut libc::c_void,
-        len: usize,
-    },
+    Chunk(#[allow(dead_code)] std::sync::Arc<huge::Mapping>),
 }
 
-/// Buffers from this size up get a mapping of their own on huge pages.
-const HUGE_FROM: usize = 1 << 20;
-/// The huge-page size the kernels' buffers are aligned and rounded to.
+/// The huge-page size the kernels' buffers are aligned to.
 const HUGE_PAGE: usize = 2 << 20;
 
-// SAFETY: `WeightBuf` owns its bytes exclusively, like a `Vec<u8>`.
+// SAFETY: `WeightBuf` owns its bytes exclusively, like a `Vec<u8>` (a chunk is shared, but each
+// buffer's bytes are handed out once).
 unsafe impl Send for WeightBuf {}
 unsafe impl Sync for WeightBuf {}
 
 impl WeightBuf {
     fn zeroed(len: usize) -> Self {
         #[cfg(target_os = "linux")]
-        if len >= HUGE_FROM {
-            if let Some(buf) = Self::mapped(len) {
-                return buf;
-            }
+        if let Some((ptr, chunk)) = huge::take(len) {
+            return WeightBuf {
+                ptr,
+                len,
+                source: BufSource::Chunk(chunk),
+            };
         }
         let layout = std::alloc::Layout::from_size_align(len.max(64), 64).expect("weight size");
         // SAFETY: `layout` has a non-zero size.
@@ -1960,38 +1960,6 @@ impl WeightBuf {
             len,
             source: BufSource::Heap(layout),
         }
-    }
-
-    /// `len` zeroed bytes at a 2 MiB boundary of a fresh anonymous mapping, hinted onto huge
-    /// pages; `None` if the system refuses the mapping (the caller falls back to the heap).
-    #[cfg(target_os = "linux")]
-    fn mapped(len: usize) -> Option<Self> {
-        let pages = len.div_ceil(HUGE_PAGE) * HUGE_PAGE;
-        // One page of slack so that a 2 MiB boundary lies inside with `pages` bytes after it.
-        let map_len = pages + HUGE_PAGE;
-        // SAFETY: a private anonymous mapping of `map_len` bytes at an address the kernel picks.
-        let base = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return None;
-        }
-        let start = (base as usize).next_multiple_of(HUGE_PAGE) as *mut u8;
-        // Fresh anonymous pages read as zero; the hint goes before the first write (the repack),
-        // so that write faults in huge pages.
-        advise_huge_pages(start, pages);
-        Some(WeightBuf {
-            ptr: std::ptr::NonNull::new(start)?,
-            len,
-            source: BufSource::Mapping { base, len: map_len },
-        })
     }
 
     fn as_slice(&self) -> &[u8] {
@@ -2007,15 +1975,86 @@ impl WeightBuf {
 
 impl Drop for WeightBuf {
     fn drop(&mut self) {
-        match self.source {
+        if let BufSource::Heap(layout) = self.source {
             // SAFETY: allocated in `zeroed` with this layout.
-            BufSource::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) },
-            // SAFETY: mapped in `mapped` with this base and length, and unmapped only here.
-            #[cfg(target_os = "linux")]
-            BufSource::Mapping { base, len } => unsafe {
-                libc::munmap(base, len);
-            },
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) }
         }
+        // A chunk's part goes with the chunk, when its last buffer drops its `Arc`.
+    }
+}
+
+/// Chunks of huge-page memory that the repacked weights are cut from (see [`WeightBuf`]).
+#[cfg(target_os = "linux")]
+mod huge {
+    use super::{advise_huge_pages, HUGE_PAGE};
+    use std::sync::{Arc, Mutex};
+
+    /// Chunk size: 32 huge pages. A larger matrix gets a chunk of its own size.
+    const CHUNK: usize = 64 << 20;
+
+    /// A private anonymous mapping, unmapped on drop.
+    pub(super) struct Mapping {
+        base: *mut libc::c_void,
+        len: usize,
+    }
+
+    // SAFETY: the mapping is plain memory; who writes which part is up to `WeightBuf`.
+    unsafe impl Send for Mapping {}
+    unsafe impl Sync for Mapping {}
+
+    impl Drop for Mapping {
+        fn drop(&mut self) {
+            // SAFETY: mapped in `take` with this base and length, unmapped only here.
+            unsafe { libc::munmap(self.base, self.len) };
+        }
+    }
+
+    /// The chunk being filled: its mapping and the free range `next..end`.
+    struct Open {
+        chunk: Arc<Mapping>,
+        next: usize,
+        end: usize,
+    }
+
+    static OPEN: Mutex<Option<Open>> = Mutex::new(None);
+
+    /// `len` zeroed bytes at a 64-byte boundary that no one else was given, in a chunk on huge
+    /// pages, with the chunk to hold on to; `None` if the system refuses a mapping.
+    pub(super) fn take(len: usize) -> Option<(std::ptr::NonNull<u8>, Arc<Mapping>)> {
+        let need = len.max(1).next_multiple_of(64);
+        let mut open = OPEN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if open.as_ref().is_none_or(|o| o.end - o.next < need) {
+            let size = CHUNK.max(need.next_multiple_of(HUGE_PAGE));
+            // One page of slack, so that a 2 MiB boundary lies inside with `size` bytes after it.
+            let map_len = size + HUGE_PAGE;
+            // SAFETY: a private anonymous mapping at an address the kernel picks.
+            let base = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            if base == libc::MAP_FAILED {
+                return None;
+            }
+            let start = (base as usize).next_multiple_of(HUGE_PAGE);
+            // Fresh anonymous pages read as zero, and the hint goes before any write, so the
+            // repack's first writes fault in huge pages.
+            advise_huge_pages(start as *mut u8, size);
+            *open = Some(Open {
+                chunk: Arc::new(Mapping { base, len: map_len }),
+                next: start,
+                end: start + size,
+            });
+        }
+        let o = open.as_mut()?;
+        let p = o.next;
+        o.next += need;
+        Some((std::ptr::NonNull::new(p as *mut u8)?, Arc::clone(&o.chunk)))
     }
 }
 
@@ -2556,14 +2595,20 @@ mod tests {
 
     #[test]
     fn weight_buffers_are_zeroed_aligned_and_writable_at_every_size() {
-        for len in [1, 100, 4096, HUGE_FROM - 1, HUGE_FROM, 3 * HUGE_PAGE + 17] {
+        // Around the chunk size too: a buffer that does not fit the open chunk starts a new one.
+        let mut all = Vec::new();
+        for len in [
+            1,
+            100,
+            4096,
+            (1 << 20) + 3,
+            40 << 20,
+            30 << 20,
+            3 * HUGE_PAGE + 17,
+            70 << 20,
+        ] {
             let mut buf = WeightBuf::zeroed(len);
-            let align = if len >= HUGE_FROM && cfg!(target_os = "linux") {
-                HUGE_PAGE
-            } else {
-                64
-            };
-            assert_eq!(buf.as_slice().as_ptr() as usize % align, 0, "{len} bytes");
+            assert_eq!(buf.as_slice().as_ptr() as usize % 64, 0, "{len} bytes");
             assert_eq!(buf.as_slice().len(), len);
             assert!(
                 buf.as_slice().iter().all(|&b| b == 0),
@@ -2573,6 +2618,16 @@ mod tests {
             buf.as_mut_slice()[0] = 3;
             assert_eq!(buf.as_slice()[0], 3);
             assert_eq!(buf.as_slice()[len - 1], if len > 1 { 7 } else { 3 });
+            all.push(buf);
+        }
+        // No two buffers share a byte.
+        let mut ranges: Vec<(usize, usize)> = all
+            .iter()
+            .map(|b| (b.as_slice().as_ptr() as usize, b.as_slice().len()))
+            .collect();
+        ranges.sort();
+        for w in ranges.windows(2) {
+            assert!(w[0].0 + w[0].1 <= w[1].0, "overlapping buffers {w:?}");
         }
     }
 
