@@ -34,6 +34,8 @@
 # MODELS: a .gguf path or a default model name (qwen2.5-coder-0.5b, qwen2.5-coder-1.5b,
 # smollm2-135m), fetched with scripts/fetch-models.sh into $SEQUOIA_MODELS
 # (default ~/.cache/sequoia/models). Binaries: cargo build --release --workspace.
+# SERVICES_LOG sets the services' RUST_LOG (default info), e.g.
+# SERVICES_LOG=info,draft_service::generation=debug for every step's time in draft-service.log.
 # Everything (processes, namespaces, links) is torn down on exit, also on failure or Ctrl-C.
 # Needs root (namespaces, veth), iproute2 and taskset.
 set -euo pipefail
@@ -218,25 +220,25 @@ wait_log() {
     die "$name not ready after 300 s; see $OUT/logs/$name.log"
 }
 
-start verify-service "$NS_V" "$VERIFY_CPU" RUST_LOG=info -- \
+start verify-service "$NS_V" "$VERIFY_CPU" RUST_LOG="${SERVICES_LOG:-info}" -- \
     "$BIN/verify-service" --model "$TARGET_PATH" --listen 0.0.0.0:50052 --threads "$VERIFY_THREADS"
 wait_log verify-service "verify-service listening"
 
-start baseline-draft-service "$NS_V" "$VERIFY_CPU" RUST_LOG=info SEQUOIA_TREE__MODE=fixed -- \
+start baseline-draft-service "$NS_V" "$VERIFY_CPU" RUST_LOG="${SERVICES_LOG:-info}" SEQUOIA_TREE__MODE=fixed -- \
     "$BIN/draft-service" --model "$DRAFT_PATH" --verify http://127.0.0.1:50052 \
     --listen 0.0.0.0:50061 --threads "$VERIFY_THREADS"
 wait_log baseline-draft-service "draft-service listening"
 
 VERIFY_URL="http://$VERIFY_IP:50052"
 if [ "$MODE" = proxy ]; then
-    start net-delay "$NS_D" "$DRAFT_CPU" RUST_LOG=info -- \
+    start net-delay "$NS_D" "$DRAFT_CPU" RUST_LOG="${SERVICES_LOG:-info}" -- \
         "$BIN/sequoia" net-delay --listen 127.0.0.1:50099 --upstream "$VERIFY_IP:50052" \
         --delay-ms "$RTT" --bandwidth-mbps "$BW"
     wait_log net-delay "net-delay: 127.0.0.1:50099"
     VERIFY_URL="http://127.0.0.1:50099"
 fi
 
-DRAFT_ENV=(RUST_LOG=info SEQUOIA_TREE__MODE=auto)
+DRAFT_ENV=(RUST_LOG="${SERVICES_LOG:-info}" SEQUOIA_TREE__MODE=auto)
 [ -n "$AUTO_MAX_NODES" ] && DRAFT_ENV+=("SEQUOIA_TREE__NODES=$AUTO_MAX_NODES")
 start draft-service "$NS_D" "$DRAFT_CPU" "${DRAFT_ENV[@]}" -- \
     "$BIN/draft-service" --model "$DRAFT_PATH" --verify "$VERIFY_URL" \

@@ -69,6 +69,38 @@ fn greedy_output_through_the_fallback_equals_target_only_decoding() {
     }
 }
 
+/// With pipelining asked for, the draft node runs the decoded tokens through its model while
+/// the next message comes (generation/mod.rs `decode`, keep-up): a different schedule of the
+/// draft's work, which must change no token: greedy output stays the target's, and seeded
+/// sampled output is the same with and without it.
+#[test]
+fn the_draft_keeping_up_during_decodes_changes_no_token() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_config(&pair.target));
+    let draft = fallback_draft(&pair, &verify.url(), 6, 1, true);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let run = |prompt: &str, t: f32, seed: u64, pipeline: bool| {
+        let mut req = request(prompt, 30, t, seed);
+        req.pipeline = Some(pipeline);
+        rt.block_on(within(120, generate(&draft.url(), req)))
+            .expect("generation succeeds")
+    };
+    for prompt in PROMPTS {
+        let want = plain_greedy(&pair.target, prompt, 30);
+        let got = run(prompt, 0.0, 1, true);
+        assert_eq!(got.tokens, want, "prompt {prompt:?}");
+        let s = got.summary.unwrap();
+        assert!(
+            s.fallback_tokens > 0,
+            "prompt {prompt:?}: nothing was decoded"
+        );
+        for seed in 0..2 {
+            let (on, off) = (run(prompt, 0.8, seed, true), run(prompt, 0.8, seed, false));
+            assert_eq!(on.tokens, off.tokens, "prompt {prompt:?}, seed {seed}");
+        }
+    }
+}
+
 #[test]
 fn seeded_sampling_through_the_fallback_equals_root_only_trees() {
     let pair = TinyPair::new();

@@ -120,7 +120,9 @@ async fn generate(
         g.maybe_replan()?;
         if let Some(k) = g.decode_size(room) {
             // No tree pays: the verify node decodes on its own (the decode fallback).
-            match g.decode(&mut draft, k, &mut out, tx).await? {
+            let (back, delivered) = g.decode(draft, k, &mut out, tx).await?;
+            draft = back;
+            match delivered {
                 Delivered::More => continue,
                 Delivered::Finished(f) => break f,
                 Delivered::ClientGone => return Ok(()),
@@ -144,6 +146,13 @@ async fn generate(
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
         g.observe_step(&shape, hit, t_step.elapsed());
+        debug!(
+            nodes = shape.len(),
+            ahead = hit,
+            accepted = emitted.len(),
+            ms = t_step.elapsed().as_secs_f64() * 1e3,
+            "step time"
+        );
         match g.deliver(&emitted, &mut out, tx).await? {
             Delivered::More => {}
             Delivered::Finished(f) => break f,
@@ -445,15 +454,21 @@ impl<'a> Generation<'a> {
 
     /// One decode of up to `k` tokens by the verify node alone: the tokens are committed and
     /// streamed as they arrive (EOS, stop strings and `max_tokens` exactly as for verified
-    /// tokens), and the draft only queues them for its next tree (it runs no model now). A
-    /// lost node's decode continues on another node from the committed tokens.
+    /// tokens), and the draft queues them for its next tree. A lost node's decode continues on
+    /// another node from the committed tokens.
+    ///
+    /// Where the draft has CPUs of its own (the generation pipelines), it also runs the queued
+    /// tokens through its model while the next message is on its way (docs/ALGORITHMS.md §5.5,
+    /// "The draft keeps up"), so the next tree does not start with a catch-up over every
+    /// decoded token; elsewhere that work would slow the verify node down, and it waits for a
+    /// tree as before.
     async fn decode(
         &mut self,
-        draft: &mut DraftSession,
+        draft: DraftSession,
         k: usize,
         out: &mut TextOut<'_>,
         tx: &ChunkTx,
-    ) -> Result<Delivered, Status> {
+    ) -> Result<(DraftSession, Delivered), Status> {
         let t0 = Instant::now();
         let per_message = self.state.config.fallback.tokens_per_message;
         self.link.start_decode(self.root, k, per_message).await;
@@ -462,6 +477,10 @@ impl<'a> Generation<'a> {
             .record_step(&Tree::chain(1), &[], std::iter::empty(), 0);
         self.replan_due = true;
         let mut result = Delivered::More;
+        let keep_up = self.pipeline;
+        let mut slot = Some(draft);
+        // The draft's catch-up over the tokens of earlier messages, while the next one comes.
+        let mut catching: Option<tokio::task::JoinHandle<_>> = None;
         loop {
             let remaining = self.prep.max_tokens - self.generated.len();
             let (prompt, generated) = (&self.prep.prompt_tokens, &self.generated);
@@ -470,7 +489,18 @@ impl<'a> Generation<'a> {
                 c.extend_from_slice(generated);
                 c
             };
-            let m = self.link.decoded(self.state, committed, remaining).await?;
+            let m = self.link.decoded(self.state, committed, remaining).await;
+            if let Some(task) = catching.take() {
+                let (back, caught): (DraftSession, Result<usize, sequoia_engine::EngineError>) =
+                    task.await
+                        .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
+                caught.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+                slot = Some(back);
+            }
+            let m = m?;
+            let draft = slot
+                .as_mut()
+                .expect("the draft is back once its catch-up ends");
             self.times.verify_ms += m.verify_ms;
             let sessions = m.batch_sessions.clamp(1, MAX_LOAD_SESSIONS) as f64;
             self.load_sessions = 0.5 * self.load_sessions + 0.5 * sessions;
@@ -495,10 +525,26 @@ impl<'a> Generation<'a> {
             if m.done || !matches!(result, Delivered::More) {
                 break;
             }
+            if keep_up && draft.has_pending() {
+                let mut session = slot.take().expect("the draft is here between messages");
+                let model = self.state.model.clone();
+                catching = Some(tokio::task::spawn_blocking(move || {
+                    let caught = session.catch_up(&model);
+                    (session, caught)
+                }));
+            }
         }
         self.times.roundtrip += t0.elapsed();
         self.state.planner.relax_step_extra();
-        Ok(result)
+        debug!(
+            tokens = k,
+            ms = t0.elapsed().as_secs_f64() * 1e3,
+            "decode time"
+        );
+        Ok((
+            slot.expect("the draft is back after the last message"),
+            result,
+        ))
     }
 
     /// Pipelined requests: the estimated chance that a verdict is one the draft grew the next

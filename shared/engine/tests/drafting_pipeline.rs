@@ -151,14 +151,15 @@ fn pipelined_misses_continue_exactly() {
 /// The decode fallback: tokens committed without a tree (`commit_decoded`, the old root and the
 /// decoded tokens but the newest) leave the drafter exactly where a drafter that prefilled the
 /// same committed tokens is: the next tree is identical (tokens and q), also when a tree grown
-/// ahead was waiting and had to be dropped.
+/// ahead was waiting and had to be dropped, and also when the tokens came in messages and the
+/// drafter caught up after each one (`keep_up`: the draft node keeping up during a decode).
 #[test]
 fn decoded_tokens_leave_the_drafter_where_a_prefill_would() {
     let model = model();
     let vocab = model.info().vocab_size;
     let shape = Tree::spine(3, 4);
     for t in [0.0, 0.7] {
-        for ahead in [false, true] {
+        for (ahead, keep_up) in [(false, false), (true, false), (false, true), (true, true)] {
             let prefix = tokens(20, 3, vocab);
             let root = tokens(1, 4, vocab)[0];
             let mut d = DraftSession::new(&model, &prefix, params(t), 99, 64).unwrap();
@@ -185,13 +186,28 @@ fn decoded_tokens_leave_the_drafter_where_a_prefill_would() {
             let decoded = tokens(3, 7, vocab);
             let mut follow = vec![next];
             follow.extend_from_slice(&decoded[..2]);
-            d.commit_decoded(&follow);
+            if keep_up {
+                // One message per token: the old root, then each decoded token but the newest.
+                for piece in follow.chunks(1) {
+                    d.commit_decoded(piece);
+                    assert!(d.has_pending());
+                    assert_eq!(d.catch_up(&model).unwrap(), 1);
+                    assert!(!d.has_pending());
+                }
+            } else {
+                d.commit_decoded(&follow);
+                assert!(d.has_pending());
+            }
             committed.extend_from_slice(&follow);
             assert_eq!(d.context_len(), committed.len());
             let mut fresh = DraftSession::new(&model, &committed, params(t), 99, 64).unwrap();
             let want = fresh.grow(&model, decoded[2], &shape).unwrap();
             let got = d.grow(&model, decoded[2], &shape).unwrap();
-            same_tree(&got, &want, &format!("T {t}, ahead {ahead}"));
+            same_tree(
+                &got,
+                &want,
+                &format!("T {t}, ahead {ahead}, keep up {keep_up}"),
+            );
             assert!(!got.was_drafted_ahead());
         }
     }

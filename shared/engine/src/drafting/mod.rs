@@ -331,9 +331,15 @@ impl DraftSession {
         self.keep_path(drafted, accepted, 0, None)
     }
 
+    /// Whether committed tokens wait to be run through the model ([`Self::catch_up`]).
+    pub fn has_pending(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
     /// Follow tokens committed without a tree (the verify node's decode fallback): `tokens` are
     /// the old root and every decoded token but the newest (the next root). They become
-    /// pending, so a run of decoding costs the draft nothing until a tree needs it again.
+    /// pending, so a run of decoding costs the draft nothing until a tree needs it (or the
+    /// caller runs [`Self::catch_up`] while it waits for the next tokens).
     pub fn commit_decoded(&mut self, tokens: &[u32]) {
         // A tree grown ahead assumed a verdict that never came.
         if let Some(ahead) = self.ready.take() {
