@@ -132,6 +132,7 @@ async fn generate(
         let t_step = Instant::now();
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
+        let draft_ms = t_step.elapsed().as_secs_f64() * 1e3;
         let hit = drafted.was_drafted_ahead();
         if g.steps() == 0 {
             g.first_tree_early = hit;
@@ -150,6 +151,8 @@ async fn generate(
             nodes = shape.len(),
             ahead = hit,
             accepted = emitted.len(),
+            caught_up = g.caught_up,
+            draft_ms,
             ms = t_step.elapsed().as_secs_f64() * 1e3,
             "step time"
         );

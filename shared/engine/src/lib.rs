@@ -128,6 +128,10 @@ pub enum EngineError {
     /// mismatch, compaction indices out of range, a cache from another model).
     #[error("invalid input: {0}")]
     InvalidInput(String),
+    /// A forward given a stop flag saw it set between two layers and gave up; no cache
+    /// changed.
+    #[error("forward stopped before its end")]
+    Stopped,
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
     #[error("i/o: {0}")]

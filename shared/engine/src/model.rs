@@ -18,6 +18,7 @@
 //! repeated per head.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
@@ -615,6 +616,24 @@ impl Model {
         rows: &[usize],
         head_vocab: usize,
     ) -> Result<Logits, EngineError> {
+        self.forward_forest_extend_until(cache, tokens, parents, start, rows, head_vocab, None)
+    }
+
+    /// [`forward_forest_extend`](Self::forward_forest_extend) that gives up with
+    /// [`EngineError::Stopped`] (no cache changed) as soon as it sees `stop` set, checked
+    /// before each layer: work that has become useless (a draft growing trees ahead for a
+    /// verdict that has just arrived) ends within one layer instead of one whole forward.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_forest_extend_until(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        parents: &[i32],
+        start: usize,
+        rows: &[usize],
+        head_vocab: usize,
+        stop: Option<&AtomicBool>,
+    ) -> Result<Logits, EngineError> {
         if head_vocab == 0 || head_vocab > self.info.vocab_size {
             return Err(EngineError::InvalidInput(format!(
                 "LM head over {head_vocab} tokens: expected 1..={}",
@@ -664,7 +683,9 @@ impl Model {
             }
             Some(vis)
         };
-        let hidden = self.forward_hidden(cache, &tokens[start..], positions, visible)?;
+        let segment = Segment { positions, visible };
+        let hidden =
+            self.forward_hidden_batch_until(&mut [cache], &tokens[start..], &[segment], stop)?;
         let local: Vec<usize> = rows.iter().map(|&r| r - start).collect();
         self.logits(&hidden, &local, head_vocab)
     }
@@ -754,6 +775,18 @@ impl Model {
         tokens: &[u32],
         segments: &[Segment],
     ) -> Result<Tensor, EngineError> {
+        self.forward_hidden_batch_until(caches, tokens, segments, None)
+    }
+
+    /// [`forward_hidden_batch`](Self::forward_hidden_batch), giving up before any layer that
+    /// finds `stop` set (the caches' lengths move only at the end, so nothing changes).
+    fn forward_hidden_batch_until(
+        &self,
+        caches: &mut [&mut KvCache],
+        tokens: &[u32],
+        segments: &[Segment],
+        stop: Option<&AtomicBool>,
+    ) -> Result<Tensor, EngineError> {
         let rows = tokens.len();
         if rows == 0 || segments.iter().any(|s| s.positions.is_empty()) {
             return Err(EngineError::InvalidInput("no tokens to forward".into()));
@@ -828,6 +861,9 @@ impl Model {
         };
         let mut x = self.embed.forward(tokens, dev)?.to_dtype(self.dtype)?;
         for (layer, block) in self.blocks.iter().enumerate() {
+            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+                return Err(EngineError::Stopped);
+            }
             let mut kvs: Vec<&mut super::cache::LayerKv> =
                 caches.iter_mut().map(|c| &mut c.layers[layer]).collect();
             let a = block

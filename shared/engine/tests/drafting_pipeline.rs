@@ -10,7 +10,7 @@ use sequoia_core::sampling::SamplingParams;
 use sequoia_core::tree::Tree;
 use sequoia_engine::drafting::{DraftSession, DraftedTree, SpeculationOutcome};
 use sequoia_engine::random::{RandomQuant, RandomSpec};
-use sequoia_engine::{Kernels, LoadOptions, Model};
+use sequoia_engine::{EngineError, Kernels, LoadOptions, Model};
 use std::sync::atomic::AtomicBool;
 
 fn model() -> Model {
@@ -270,4 +270,95 @@ fn a_first_tree_grown_during_the_prefill_is_the_tree_grow_would_draw() {
         same_tree(&a, &b, &format!("T {t}: another shape"));
         assert!(!b.was_drafted_ahead());
     }
+}
+
+/// A forward given a stop flag that is already set gives up before its first layer and leaves
+/// the cache as it was: the same forward afterwards gives the logits a fresh cache gives.
+#[test]
+fn a_stopped_forward_changes_no_cache() {
+    let model = model();
+    let vocab = model.info().vocab_size;
+    let prefix = tokens(20, 3, vocab);
+    let nodes = tokens(3, 5, vocab);
+    let parents = [-1, 0, 0];
+    let mut cache = model.new_cache();
+    model.forward_chain(&mut cache, &prefix).unwrap();
+    let stop = AtomicBool::new(true);
+    let err = model
+        .forward_forest_extend_until(
+            &mut cache,
+            &nodes,
+            &parents,
+            0,
+            &[0, 1, 2],
+            vocab,
+            Some(&stop),
+        )
+        .unwrap_err();
+    assert!(matches!(err, EngineError::Stopped), "{err}");
+    assert_eq!(cache.len(), prefix.len());
+    let after = model
+        .forward_forest_extend(&mut cache, &nodes, &parents, 0, &[0, 1, 2], vocab)
+        .unwrap();
+    let mut fresh = model.new_cache();
+    model.forward_chain(&mut fresh, &prefix).unwrap();
+    let want = model
+        .forward_forest_extend(&mut fresh, &nodes, &parents, 0, &[0, 1, 2], vocab)
+        .unwrap();
+    for r in 0..3 {
+        assert_eq!(after.row(r), want.row(r), "row {r}");
+    }
+}
+
+/// The verdict's arrival stops growth ahead at any moment, also inside a forward (the level in
+/// progress is dropped): whatever the moment, hit or miss, the next trees are exactly those of
+/// a drafter that never grew ahead. The moments are spread over the growth's duration.
+#[test]
+fn growth_ahead_stopped_at_any_moment_continues_exactly() {
+    let model = model();
+    let vocab = model.info().vocab_size;
+    let shape = Tree::spine(3, 4);
+    let prefix = tokens(20, 3, vocab);
+    let root = tokens(1, 4, vocab)[0];
+    // How long an unstopped growth ahead takes here, to spread the stops over.
+    let full = {
+        let mut d = DraftSession::new(&model, &prefix, params(0.0), 99, 64).unwrap();
+        let a = d.grow(&model, root, &shape).unwrap();
+        let ends = a.likeliest_ends(&[0.6, 0.2, 0.1], 2);
+        let t0 = std::time::Instant::now();
+        d.speculate(&model, &a, &shape, &ends, 100, &AtomicBool::new(false))
+            .unwrap();
+        t0.elapsed()
+    };
+    let mut hits = 0;
+    for t in [0.0, 0.7] {
+        for i in 0..24u32 {
+            let p = params(t);
+            let mut plain = DraftSession::new(&model, &prefix, p, 99, 64).unwrap();
+            let mut piped = DraftSession::new(&model, &prefix, p, 99, 64).unwrap();
+            let a = plain.grow(&model, root, &shape).unwrap();
+            let b = piped.grow(&model, root, &shape).unwrap();
+            let ends = b.likeliest_ends(&[0.6, 0.2, 0.1], 2);
+            let stop = AtomicBool::new(false);
+            let spec = std::thread::scope(|s| {
+                let grower = s.spawn(|| piped.speculate(&model, &b, &shape, &ends, 100, &stop));
+                std::thread::sleep(full * i / 20);
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                grower.join().unwrap().unwrap()
+            });
+            // The verdict the first candidate guessed if it got that far, else another one.
+            let (end, next) = match spec.candidates().first() {
+                Some(&(end, Some(tok))) => (end, tok),
+                _ => (b.tree.children(0)[0] as usize, tokens(1, 6, vocab)[0]),
+            };
+            let accepted = path_to(&b.tree, end);
+            plain.commit(&a, &accepted).unwrap();
+            let outcome = piped.commit_speculated(&b, &accepted, next, spec).unwrap();
+            hits += usize::from(outcome == SpeculationOutcome::Hit);
+            let a1 = plain.grow(&model, next, &shape).unwrap();
+            let b1 = piped.grow(&model, next, &shape).unwrap();
+            same_tree(&a1, &b1, &format!("T {t}, stop {i}/20 of the growth"));
+        }
+    }
+    assert!(hits > 0, "no stop let a candidate's guess through");
 }
