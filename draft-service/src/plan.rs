@@ -370,12 +370,24 @@ impl Planner {
         d.draft = smooth_drift(d.draft, observed_ms, profiled);
     }
 
+    /// A forward of `rows` rows on `costs`' node as the planner prices it now: the profile,
+    /// times the drift factor that observed verifies taught (decode or tree).
+    pub fn verify_ms(&self, costs: &NodeCosts, rows: usize) -> f64 {
+        let d = *self.drift.lock().unwrap();
+        let factor = if rows <= 1 {
+            d.verify_one
+        } else {
+            d.verify_tree
+        };
+        costs.verify.at(rows.max(1)) * factor
+    }
+
     /// A tree step of the plan's own shape took `observed_ms` (from drafting it to having its
     /// verdict followed) where the plan predicted `predicted_ms`: the learned per-step extra
     /// moves by a share of the error, so that on average the predicted step is the observed
     /// one. What it absorbs is real cost the cost model has no term for: following the
-    /// verdict, the draft forward that was running ahead when the verdict arrived, the verify
-    /// time of lookup nodes. Without it, a task whose trees barely pay in the model loses to
+    /// verdict, overheads of the wire and the services. (The verify time of lookup nodes is
+    /// priced when they are grafted and added to `predicted_ms` by the caller.) Without it, a task whose trees barely pay in the model loses to
     /// plain decoding in fact.
     pub fn observe_step(&self, predicted_ms: f64, observed_ms: f64) {
         if !(predicted_ms.is_finite() && observed_ms.is_finite()) {

@@ -22,6 +22,7 @@ use crate::nodes::{unavailable, VerifyNode};
 use crate::plan::ActivePlan;
 use crate::state::DraftState;
 use link::VerifyLink;
+use sequoia_core::lookup::{worth_grafting, LookupRecord};
 use sequoia_core::planner::cost::{pipeline_hit_rate, NodeCosts};
 use sequoia_core::stats::{AcceptanceCounts, RankCounts};
 use sequoia_core::tree::Tree;
@@ -146,6 +147,7 @@ async fn generate(
             (g.verify(&drafted).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
+        g.lookup_record.record(&g.lookup_guess, &emitted);
         g.observe_step(&shape, hit, t_step.elapsed());
         debug!(
             nodes = shape.len(),
@@ -153,6 +155,7 @@ async fn generate(
             accepted = emitted.len(),
             caught_up = g.caught_up,
             draft_ms,
+            verify_ms = verdict.verify_ms,
             ms = t_step.elapsed().as_secs_f64() * 1e3,
             "step time"
         );
@@ -234,6 +237,12 @@ struct Generation<'a> {
     /// Prompt-lookup nodes sent, and accepted.
     lookup_proposed: u64,
     lookup_accepted: u64,
+    /// What this generation's lookup guesses would have been worth, sent or not.
+    lookup_record: LookupRecord,
+    /// This step's guess (whole, also the part not sent) and the verify time priced for the
+    /// nodes it added.
+    lookup_guess: Vec<u32>,
+    lookup_cost_ms: f64,
     /// Drafted tokens verified so far (tree nodes minus roots).
     drafted: u64,
     /// Pipelined drafting (docs/ALGORITHMS.md §10): the request's choice, else the configured
@@ -383,6 +392,9 @@ impl<'a> Generation<'a> {
             times,
             lookup_proposed: 0,
             lookup_accepted: 0,
+            lookup_record: LookupRecord::default(),
+            lookup_guess: Vec::new(),
+            lookup_cost_ms: 0.0,
             drafted: 0,
             pipeline,
             pipeline_hits: 0,
@@ -628,9 +640,10 @@ impl<'a> Generation<'a> {
             (None, _) => (shape.len() == plan.full_size()).then_some(pred.step_ms),
         };
         if let Some(ms) = predicted {
+            // The lookup nodes sent this step were priced apart.
             self.state
                 .planner
-                .observe_step(ms, took.as_secs_f64() * 1e3);
+                .observe_step(ms + self.lookup_cost_ms, took.as_secs_f64() * 1e3);
         }
     }
 
@@ -681,7 +694,14 @@ impl<'a> Generation<'a> {
     /// `max_tokens` leave room for it). A tree shape forced by the request is sent exactly as
     /// given: benchmarks force root-only trees to measure plain target decoding.
     /// Returns the number of nodes added.
+    ///
+    /// In auto mode the branch is priced (docs/ALGORITHMS.md §9, "What a branch costs"): each
+    /// added node costs the verify time of one more row on the node, and only the prefix of the
+    /// guess whose expected tokens (from this generation's [`LookupRecord`]) are worth more than
+    /// that at the plan's rate is grafted; the guess is kept whole for the record.
     fn add_lookup(&mut self, drafted: &mut DraftedTree, room: usize) -> usize {
+        self.lookup_guess.clear();
+        self.lookup_cost_ms = 0.0;
         let params = self.state.config.lookup.params();
         if !params.enabled() || !self.prep.params.is_greedy() || self.prep.forced_tree.is_some() {
             return 0;
@@ -692,7 +712,31 @@ impl<'a> Generation<'a> {
         context.extend_from_slice(&self.generated);
         let chain = sequoia_core::lookup::continuation(&context, &params);
         let chain = &chain[..chain.len().min(budget)];
-        let added = drafted.graft_lookup(chain);
+        self.lookup_guess.extend_from_slice(chain);
+        let send = match (&self.costs, &self.plan.prediction) {
+            (Some(costs), Some(pred)) if pred.expected_tokens > 0.0 => {
+                let ms_per_token = pred.step_ms / pred.expected_tokens;
+                let (n, load) = (drafted.tree.len(), self.load_sessions.max(1.0));
+                let planner = &self.state.planner;
+                let rows = |nodes: usize| (nodes as f64 * load).round() as usize;
+                let node_ms = |j: usize| {
+                    planner.verify_ms(costs, rows(n + j))
+                        - planner.verify_ms(costs, rows(n + j - 1))
+                };
+                let merged = drafted.drafted_prefix(chain);
+                let send = worth_grafting(
+                    &self.lookup_record,
+                    chain.len(),
+                    merged,
+                    ms_per_token,
+                    node_ms,
+                );
+                self.lookup_cost_ms = (1..=send.saturating_sub(merged)).map(node_ms).sum();
+                send
+            }
+            _ => chain.len(),
+        };
+        let added = drafted.graft_lookup(&chain[..send]);
         self.lookup_proposed += added as u64;
         added
     }
@@ -766,9 +810,14 @@ impl<'a> Generation<'a> {
         });
         let verdict = self.verify(drafted).await;
         stop.store(true, Ordering::Relaxed);
+        let stopped = Instant::now();
         let (draft, spec, took) = ahead
             .await
             .map_err(|e| Status::internal(format!("draft task failed: {e}")))?;
+        debug!(
+            wait_ms = stopped.elapsed().as_secs_f64() * 1e3,
+            "growth ahead stopped"
+        );
         let verdict = verdict?;
         let spec = spec.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
         self.ahead_time = Some(took);

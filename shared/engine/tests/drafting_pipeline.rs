@@ -362,3 +362,35 @@ fn growth_ahead_stopped_at_any_moment_continues_exactly() {
     }
     assert!(hits > 0, "no stop let a candidate's guess through");
 }
+
+/// `drafted_prefix` counts the leading tokens of a guess that follow drafted nodes from the root,
+/// which is exactly the part `graft_lookup` merges: grafting adds a node for every later token.
+#[test]
+fn the_drafted_prefix_of_a_guess_is_what_grafting_merges() {
+    let model = model();
+    let vocab = model.info().vocab_size;
+    let shape = Tree::spine(3, 4);
+    let prefix = tokens(20, 3, vocab);
+    let root = tokens(1, 4, vocab)[0];
+    let mut d = DraftSession::new(&model, &prefix, params(0.0), 99, 64).unwrap();
+    let a = d.grow(&model, root, &shape).unwrap();
+    // The tokens along the first-child path, then two tokens no node has.
+    let mut path = Vec::new();
+    let mut at = 0usize;
+    while let Some(&c) = a.tree.children(at).first() {
+        at = c as usize;
+        path.push(a.tokens[at]);
+    }
+    let fresh: Vec<u32> = (0..vocab as u32)
+        .filter(|t| !a.tokens.contains(t))
+        .take(2)
+        .collect();
+    for keep in 0..=path.len() {
+        let mut guess = path[..keep].to_vec();
+        guess.extend_from_slice(&fresh);
+        assert_eq!(a.drafted_prefix(&guess), keep);
+        let mut grafted = a.clone();
+        assert_eq!(grafted.graft_lookup(&guess), fresh.len());
+    }
+    assert_eq!(a.drafted_prefix(&[]), 0);
+}
