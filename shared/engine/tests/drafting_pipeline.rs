@@ -190,13 +190,13 @@ fn decoded_tokens_leave_the_drafter_where_a_prefill_would() {
                 // One message per token: the old root, then each decoded token but the newest.
                 for piece in follow.chunks(1) {
                     d.commit_decoded(piece);
-                    assert!(d.has_pending());
+                    assert_eq!(d.pending_len(), 1);
                     assert_eq!(d.catch_up(&model).unwrap(), 1);
-                    assert!(!d.has_pending());
+                    assert_eq!(d.pending_len(), 0);
                 }
             } else {
                 d.commit_decoded(&follow);
-                assert!(d.has_pending());
+                assert_eq!(d.pending_len(), follow.len());
             }
             committed.extend_from_slice(&follow);
             assert_eq!(d.context_len(), committed.len());

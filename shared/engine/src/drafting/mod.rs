@@ -348,9 +348,9 @@ impl DraftSession {
         self.keep_path(drafted, accepted, 0, None)
     }
 
-    /// Whether committed tokens wait to be run through the model ([`Self::catch_up`]).
-    pub fn has_pending(&self) -> bool {
-        !self.pending.is_empty()
+    /// Committed tokens waiting to be run through the model ([`Self::catch_up`]).
+    pub fn pending_len(&self) -> usize {
+        self.pending.len()
     }
 
     /// Follow tokens committed without a tree (the verify node's decode fallback): `tokens` are
