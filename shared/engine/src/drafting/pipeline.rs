@@ -204,8 +204,9 @@ impl DraftSession {
                 break;
             }
             // The verdict's arrival stops the forward in progress within a layer: the step
-            // waits for it (it needs the drafter back), and a level growing ahead took up to a
-            // whole draft forward, 20–25 ms of a 200 ms step on average (one core, 0.5B).
+            // waits for it (it needs the drafter back), and finishing the level took up to a
+            // whole draft forward (two one-core hosts, RTT 10 ms: median 3-node miss steps
+            // 200 → 189 ms, 5-node hits 216 → 193 ms with the stop, BENCHMARKS.md session 15).
             let logits = match model.forward_forest_extend_until(
                 &mut self.cache,
                 &tokens,
