@@ -166,6 +166,18 @@ struct Drift {
     draft: f64,
 }
 
+impl Drift {
+    /// The factor for a forward of `rows` rows: the decode one for a single row, else the
+    /// tree one.
+    fn verify(&self, rows: usize) -> f64 {
+        if rows <= 1 {
+            self.verify_one
+        } else {
+            self.verify_tree
+        }
+    }
+}
+
 /// One observation's weight in a drift factor (exponential smoothing).
 const DRIFT_WEIGHT: f64 = 0.2;
 
@@ -370,16 +382,12 @@ impl Planner {
         d.draft = smooth_drift(d.draft, observed_ms, profiled);
     }
 
-    /// A forward of `rows` rows on `costs`' node as the planner prices it now: the profile,
-    /// times the drift factor that observed verifies taught (decode or tree).
-    pub fn verify_ms(&self, costs: &NodeCosts, rows: usize) -> f64 {
-        let d = *self.drift.lock().unwrap();
-        let factor = if rows <= 1 {
-            d.verify_one
-        } else {
-            d.verify_tree
-        };
-        costs.verify.at(rows.max(1)) * factor
+    /// A tree of `nodes` nodes on `costs`' node as the planner prices it now: a forward of
+    /// `nodes × load_sessions` rows (as in [`Self::plan`]), on the profile times the drift factor
+    /// that observed verifies taught.
+    pub fn verify_ms(&self, costs: &NodeCosts, nodes: usize, load_sessions: f64) -> f64 {
+        let rows = ((nodes as f64 * load_sessions.max(1.0)).round() as usize).max(1);
+        costs.verify.at(rows) * self.drift.lock().unwrap().verify(nodes)
     }
 
     /// A tree step of the plan's own shape took `observed_ms` (from drafting it to having its
@@ -387,8 +395,8 @@ impl Planner {
     /// moves by a share of the error, so that on average the predicted step is the observed
     /// one. What it absorbs is real cost the cost model has no term for: following the
     /// verdict, overheads of the wire and the services. (The verify time of lookup nodes is
-    /// priced when they are grafted and added to `predicted_ms` by the caller.) Without it, a task whose trees barely pay in the model loses to
-    /// plain decoding in fact.
+    /// priced when they are grafted, and the caller adds it to `predicted_ms`.) Without it, a
+    /// task whose trees barely pay in the model loses to plain decoding in fact.
     pub fn observe_step(&self, predicted_ms: f64, observed_ms: f64) {
         if !(predicted_ms.is_finite() && observed_ms.is_finite()) {
             return;
@@ -473,7 +481,7 @@ impl Planner {
         let verify = CostCurve {
             sizes: costs.verify.sizes.clone(),
             ms: (costs.verify.sizes.iter().zip(&costs.verify.ms))
-                .map(|(&s, m)| m * if s <= 1 { d.verify_one } else { d.verify_tree })
+                .map(|(&s, m)| m * d.verify(s as usize))
                 .collect(),
         };
         let loaded = |c: &CostCurve| CostCurve {

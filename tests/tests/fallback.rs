@@ -70,9 +70,12 @@ fn greedy_output_through_the_fallback_equals_target_only_decoding() {
 }
 
 /// With pipelining asked for, the draft node runs the decoded tokens through its model while
-/// the next message comes (generation/mod.rs `decode`, keep-up): a different schedule of the
-/// draft's work, which must change no token: greedy output stays the target's, and seeded
-/// sampled output is the same with and without it.
+/// the next message comes (generation/mod.rs `decode`, keep-up): the decode loop hands the
+/// draft to a catch-up task and takes it back between messages (here 25 catch-ups over the
+/// prompts), and no message may be lost, reordered or cut short by it: greedy output stays the
+/// target's, and seeded sampled output is the same with and without keep-up. (That the draft's
+/// cache ends bit-identical is `decoded_tokens_leave_the_drafter_where_a_prefill_would` in the
+/// engine's tests; here the draft proposes nothing.)
 #[test]
 fn the_draft_keeping_up_during_decodes_changes_no_token() {
     let pair = TinyPair::new();

@@ -138,7 +138,7 @@ async fn generate(
         if g.steps() == 0 {
             g.first_tree_early = hit;
         }
-        g.add_lookup(&mut drafted, room);
+        let lookup = g.add_lookup(&mut drafted, room);
         let (verdict, ahead) = if g.pipeline {
             let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, room).await?;
             draft = back;
@@ -147,8 +147,8 @@ async fn generate(
             (g.verify(&drafted).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
-        g.lookup_record.record(&g.lookup_guess, &emitted);
-        g.observe_step(&shape, hit, t_step.elapsed());
+        g.lookup_record.record(&lookup.guess, &emitted);
+        g.observe_step(&shape, hit, t_step.elapsed(), lookup.cost_ms);
         debug!(
             nodes = shape.len(),
             ahead = hit,
@@ -239,10 +239,6 @@ struct Generation<'a> {
     lookup_accepted: u64,
     /// What this generation's lookup guesses would have been worth, sent or not.
     lookup_record: LookupRecord,
-    /// This step's guess (whole, also the part not sent) and the verify time priced for the
-    /// nodes it added.
-    lookup_guess: Vec<u32>,
-    lookup_cost_ms: f64,
     /// Drafted tokens verified so far (tree nodes minus roots).
     drafted: u64,
     /// Pipelined drafting (docs/ALGORITHMS.md §10): the request's choice, else the configured
@@ -393,8 +389,6 @@ impl<'a> Generation<'a> {
             lookup_proposed: 0,
             lookup_accepted: 0,
             lookup_record: LookupRecord::default(),
-            lookup_guess: Vec::new(),
-            lookup_cost_ms: 0.0,
             drafted: 0,
             pipeline,
             pipeline_hits: 0,
@@ -621,7 +615,7 @@ impl<'a> Generation<'a> {
     /// on a fresh service one slow first step put the demo on decodes).
     /// With pipelining, a step is compared with the prediction of its kind: a hit with the
     /// planned tree's overlapped step, a miss with the miss tree's step.
-    fn observe_step(&self, shape: &Tree, hit: bool, took: Duration) {
+    fn observe_step(&self, shape: &Tree, hit: bool, took: Duration, lookup_ms: f64) {
         let plan = &self.plan;
         if !(plan.is_auto()
             && plan.decode_tokens.is_none()
@@ -643,7 +637,7 @@ impl<'a> Generation<'a> {
             // The lookup nodes sent this step were priced apart.
             self.state
                 .planner
-                .observe_step(ms + self.lookup_cost_ms, took.as_secs_f64() * 1e3);
+                .observe_step(ms + lookup_ms, took.as_secs_f64() * 1e3);
         }
     }
 
@@ -693,18 +687,15 @@ impl<'a> Generation<'a> {
     /// Graft a prompt-lookup branch onto the tree (greedy requests, while context and
     /// `max_tokens` leave room for it). A tree shape forced by the request is sent exactly as
     /// given: benchmarks force root-only trees to measure plain target decoding.
-    /// Returns the number of nodes added.
     ///
     /// In auto mode the branch is priced (docs/ALGORITHMS.md §9, "What a branch costs"): each
     /// added node costs the verify time of one more row on the node, and only the prefix of the
     /// guess whose expected tokens (from this generation's [`LookupRecord`]) are worth more than
-    /// that at the plan's rate is grafted; the guess is kept whole for the record.
-    fn add_lookup(&mut self, drafted: &mut DraftedTree, room: usize) -> usize {
-        self.lookup_guess.clear();
-        self.lookup_cost_ms = 0.0;
+    /// that at the plan's rate is grafted.
+    fn add_lookup(&mut self, drafted: &mut DraftedTree, room: usize) -> LookupStep {
         let params = self.state.config.lookup.params();
         if !params.enabled() || !self.prep.params.is_greedy() || self.prep.forced_tree.is_some() {
-            return 0;
+            return LookupStep::default();
         }
         let left = self.prep.max_tokens - self.generated.len();
         let budget = room.saturating_sub(drafted.tree.len()).min(left);
@@ -712,33 +703,26 @@ impl<'a> Generation<'a> {
         context.extend_from_slice(&self.generated);
         let chain = sequoia_core::lookup::continuation(&context, &params);
         let chain = &chain[..chain.len().min(budget)];
-        self.lookup_guess.extend_from_slice(chain);
-        let send = match (&self.costs, &self.plan.prediction) {
-            (Some(costs), Some(pred)) if pred.expected_tokens > 0.0 => {
-                let ms_per_token = pred.step_ms / pred.expected_tokens;
-                let (n, load) = (drafted.tree.len(), self.load_sessions.max(1.0));
+        let (mut send, mut cost_ms) = (chain.len(), 0.0);
+        if let (Some(costs), Some(pred)) = (&self.costs, &self.plan.prediction) {
+            if pred.expected_tokens > 0.0 {
+                let (n, load) = (drafted.tree.len(), self.load_sessions);
                 let planner = &self.state.planner;
-                let rows = |nodes: usize| (nodes as f64 * load).round() as usize;
                 let node_ms = |j: usize| {
-                    planner.verify_ms(costs, rows(n + j))
-                        - planner.verify_ms(costs, rows(n + j - 1))
+                    planner.verify_ms(costs, n + j, load)
+                        - planner.verify_ms(costs, n + j - 1, load)
                 };
-                let merged = drafted.drafted_prefix(chain);
-                let send = worth_grafting(
-                    &self.lookup_record,
-                    chain.len(),
-                    merged,
-                    ms_per_token,
-                    node_ms,
-                );
-                self.lookup_cost_ms = (1..=send.saturating_sub(merged)).map(node_ms).sum();
-                send
+                let (_, merged) = drafted.tree.follow_chain(&drafted.tokens, chain);
+                let per_token = pred.step_ms / pred.expected_tokens;
+                send = worth_grafting(&self.lookup_record, chain.len(), merged, per_token, node_ms);
+                cost_ms = (1..=send.saturating_sub(merged)).map(node_ms).sum();
             }
-            _ => chain.len(),
-        };
-        let added = drafted.graft_lookup(&chain[..send]);
-        self.lookup_proposed += added as u64;
-        added
+        }
+        self.lookup_proposed += drafted.graft_lookup(&chain[..send]) as u64;
+        LookupStep {
+            guess: chain.to_vec(),
+            cost_ms,
+        }
     }
 
     /// Verify the drafted tree (on whichever node holds the session) and check the verdict.
@@ -919,6 +903,14 @@ impl<'a> Generation<'a> {
             .observe_acceptance(self.prep.params.is_greedy(), &new);
         self.folded = now;
     }
+}
+
+/// A step's prompt-lookup guess: whole (also the part not sent), for the record after the
+/// verdict, and the verify time priced for the nodes it added.
+#[derive(Default)]
+struct LookupStep {
+    guess: Vec<u32>,
+    cost_ms: f64,
 }
 
 /// Decoded tokens the draft lets queue before it runs them through its model during a decode.

@@ -249,14 +249,11 @@ impl Tree {
         .expect("k×d is a valid tree")
     }
 
-    /// Merge the token chain `chain` into this tree below the root (`tokens` are the nodes'
-    /// tokens): follow the children whose tokens match the chain as far as they do, then hang
-    /// the rest below the last matched node as a new chain, each new node its parent's last
-    /// child (so existing nodes keep their ranks). The result is re-indexed into BFS order.
-    /// A prompt-lookup branch joins a drafted tree this way (docs/ALGORITHMS.md §9).
-    pub fn graft_chain(&self, tokens: &[u32], chain: &[u32]) -> Grafted {
-        assert_eq!(tokens.len(), self.len(), "one token per node");
-        let n = self.len();
+    /// Follow `chain` down from the root, each token through the child of the node reached that
+    /// carries it (`tokens[v]` is node v's token): the node where it stops and how many of
+    /// `chain`'s tokens it followed. What [`graft_chain`](Self::graft_chain) merges instead of
+    /// adding nodes.
+    pub fn follow_chain(&self, tokens: &[u32], chain: &[u32]) -> (usize, usize) {
         let mut at = 0usize;
         let mut matched = 0usize;
         while let Some(&c) = chain
@@ -266,6 +263,18 @@ impl Tree {
             at = c as usize;
             matched += 1;
         }
+        (at, matched)
+    }
+
+    /// Merge the token chain `chain` into this tree below the root (`tokens` are the nodes'
+    /// tokens): follow the children whose tokens match the chain as far as they do, then hang
+    /// the rest below the last matched node as a new chain, each new node its parent's last
+    /// child (so existing nodes keep their ranks). The result is re-indexed into BFS order.
+    /// A prompt-lookup branch joins a drafted tree this way (docs/ALGORITHMS.md §9).
+    pub fn graft_chain(&self, tokens: &[u32], chain: &[u32]) -> Grafted {
+        assert_eq!(tokens.len(), self.len(), "one token per node");
+        let n = self.len();
+        let (at, matched) = self.follow_chain(tokens, chain);
         // Old nodes keep their ids; new ones are n, n + 1, ... in chain order.
         let added = chain.len() - matched;
         let mut kids: Vec<Vec<usize>> = self

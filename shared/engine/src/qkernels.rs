@@ -1910,8 +1910,8 @@ impl Format for Q4_1 {
 // Packed matrices.
 
 /// Zeroed bytes for repacked weights, 64-byte aligned. On Linux they are cut from
-/// [`huge::take`]'s chunks: fresh anonymous mappings hinted onto 2 MiB pages before their first
-/// touch, each buffer after the previous one.
+/// `huge::take`'s chunks: fresh anonymous mappings hinted onto 2 MiB pages before their first
+/// touch, each buffer after the previous one (elsewhere, and if a mapping fails, the heap).
 ///
 /// Why not the allocator: heap memory is recycled, and pages that an earlier buffer (a tensor
 /// read from the file, a scratch vector of the repack) already faulted in stay 4 KiB pages
@@ -1919,10 +1919,12 @@ impl Format for Q4_1 {
 /// ended on 4 KiB pages (`AnonHugePages` in `/proc/PID/smaps`), and every 4 KiB of those costs
 /// a page walk and restarts the hardware prefetcher, which stops at page boundaries. On huge
 /// pages (1,116 of 1,160 MB), one-thread t(1) fell 1–8 % for the 1.5B model and 7 % for the
-/// 0.5B draft (alternating runs, Zen 3). Why chunks and not a mapping per matrix: a mapping rounds its matrix up to whole huge
-/// pages (a 1.3 MB Q projection of the 1.5B model takes 2 MiB, a 2.5 MB FFN matrix of the 0.5B
-/// draft 4 MiB), 7 % more resident memory for the 1.5B model; in shared chunks only the last
-/// huge page of a chunk is partly unused.
+/// 0.5B draft (alternating runs, Zen 3).
+///
+/// Why chunks and not a mapping per matrix: a mapping rounds its matrix up to whole huge pages
+/// (a 1.3 MB Q projection of the 1.5B model takes 2 MiB, a 2.5 MB FFN matrix of the 0.5B draft
+/// 4 MiB), 7 % more resident memory for the 1.5B model; in shared chunks only the last huge
+/// page of a chunk is partly unused.
 struct WeightBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
@@ -1992,7 +1994,7 @@ impl Drop for WeightBuf {
 /// Chunks of huge-page memory that the repacked weights are cut from (see [`WeightBuf`]).
 #[cfg(target_os = "linux")]
 mod huge {
-    use super::{advise_huge_pages, HUGE_PAGE};
+    use super::HUGE_PAGE;
     use std::sync::{Arc, Mutex};
 
     /// Chunk size: 32 huge pages. A larger matrix gets a chunk of its own size.
@@ -2049,8 +2051,12 @@ mod huge {
             }
             let start = (base as usize).next_multiple_of(HUGE_PAGE);
             // Fresh anonymous pages read as zero, and the hint goes before any write, so the
-            // repack's first writes fault in huge pages.
-            advise_huge_pages(start as *mut u8, size);
+            // repack's first writes fault in huge pages: the weights stream from memory once per
+            // token, and on 4 KiB pages every 4 KiB costs a page walk. A hint only: where the
+            // kernel refuses, nothing changes.
+            // SAFETY: `start..start + size` lies inside the mapping just made; MADV_HUGEPAGE
+            // changes no contents, only how future faults are served.
+            unsafe { libc::madvise(start as *mut libc::c_void, size, libc::MADV_HUGEPAGE) };
             *open = Some(Open {
                 chunk: Arc::new(Mapping { base, len: map_len }),
                 next: start,
@@ -2131,25 +2137,6 @@ fn prefetch(p: usize, end: usize) {
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, end);
-}
-
-/// Ask for transparent huge pages on the 2 MiB-aligned part of a fresh, not yet touched
-/// allocation: the weights stream from memory once per token, and with 4 KiB pages every 4 KiB
-/// of the stream costs a TLB miss (a page walk in front of the loads and the prefetches). A
-/// hint only: where the kernel refuses, nothing changes.
-fn advise_huge_pages(p: *mut u8, len: usize) {
-    #[cfg(target_os = "linux")]
-    {
-        let start = (p as usize).next_multiple_of(HUGE_PAGE);
-        let end = (p as usize + len) / HUGE_PAGE * HUGE_PAGE;
-        if end > start {
-            // SAFETY: the range lies inside an allocation we own; MADV_HUGEPAGE changes no
-            // contents, only how future faults are served.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (p, len);
 }
 
 /// An `n × k` matrix in the interleaved layout of format `F`.

@@ -363,10 +363,11 @@ fn growth_ahead_stopped_at_any_moment_continues_exactly() {
     assert!(hits > 0, "no stop let a candidate's guess through");
 }
 
-/// `drafted_prefix` counts the leading tokens of a guess that follow drafted nodes from the root,
-/// which is exactly the part `graft_lookup` merges: grafting adds a node for every later token.
+/// `Tree::follow_chain` counts the leading tokens of a guess that follow drafted nodes from the
+/// root, which is exactly the part `graft_lookup` merges: grafting adds a node for every later
+/// token.
 #[test]
-fn the_drafted_prefix_of_a_guess_is_what_grafting_merges() {
+fn the_followed_prefix_of_a_guess_is_what_grafting_merges() {
     let model = model();
     let vocab = model.info().vocab_size;
     let shape = Tree::spine(3, 4);
@@ -388,9 +389,9 @@ fn the_drafted_prefix_of_a_guess_is_what_grafting_merges() {
     for keep in 0..=path.len() {
         let mut guess = path[..keep].to_vec();
         guess.extend_from_slice(&fresh);
-        assert_eq!(a.drafted_prefix(&guess), keep);
+        assert_eq!(a.tree.follow_chain(&a.tokens, &guess).1, keep);
         let mut grafted = a.clone();
         assert_eq!(grafted.graft_lookup(&guess), fresh.len());
     }
-    assert_eq!(a.drafted_prefix(&[]), 0);
+    assert_eq!(a.tree.follow_chain(&a.tokens, &[]), (0, 0));
 }

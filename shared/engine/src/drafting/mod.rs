@@ -63,23 +63,6 @@ impl DraftedTree {
         added
     }
 
-    /// How many leading tokens of `chain` follow drafted nodes from the root (the part
-    /// [`graft_lookup`](Self::graft_lookup) merges instead of adding nodes).
-    pub fn drafted_prefix(&self, chain: &[u32]) -> usize {
-        let mut at = 0usize;
-        let mut matched = 0;
-        while let Some(&c) = chain.get(matched).and_then(|&t| {
-            self.tree
-                .children(at)
-                .iter()
-                .find(|&&c| self.tokens[c as usize] == t)
-        }) {
-            at = c as usize;
-            matched += 1;
-        }
-        matched
-    }
-
     /// Nodes that came from prompt lookup rather than the draft model.
     pub fn is_lookup(&self, v: usize) -> bool {
         self.origin.get(v).is_some_and(|o| o.is_none())
