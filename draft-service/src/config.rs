@@ -164,6 +164,11 @@ pub struct PipelineConfig {
     /// Grow a generation's first tree while the verify node prefills its prompt (the tree the
     /// latest pipelined generation started with), instead of after.
     pub first_tree_during_prefill: bool,
+    /// Send each candidate's next tree to the verify node as soon as it is grown, before the
+    /// verdict it assumes has come back: the node verifies it right after that verdict if the
+    /// assumption holds (no round trip between the two), and drops it otherwise. Needs verify
+    /// nodes of protocol version 4; older ones are sent nothing ahead.
+    pub send_ahead: bool,
 }
 
 /// The decode fallback (docs/ALGORITHMS.md §5.5): when the plan is no speculation (the auto
@@ -224,6 +229,7 @@ impl Default for PipelineConfig {
             candidates: 2,
             max_forwards: 16,
             first_tree_during_prefill: true,
+            send_ahead: true,
         }
     }
 }

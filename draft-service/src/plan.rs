@@ -216,6 +216,9 @@ pub struct Planner {
     step_extra_ms: Mutex<f64>,
     /// The decode fallback's settings; None = off.
     fallback: Option<FallbackConfig>,
+    /// Pipelined generations send their trees ahead of the verdicts (`pipeline.send_ahead`):
+    /// hit steps are priced accordingly (`cost::sent_ahead_hit_ms`).
+    sends_ahead: bool,
 }
 
 impl Planner {
@@ -250,12 +253,20 @@ impl Planner {
             }),
             step_extra_ms: Mutex::new(0.0),
             fallback: None,
+            sends_ahead: false,
         })
     }
 
     /// Serve "no speculation" with the decode fallback where the verify node takes it.
     pub fn with_fallback(mut self, fallback: &FallbackConfig) -> Self {
         self.fallback = fallback.enabled.then(|| fallback.clone());
+        self
+    }
+
+    /// Price pipelined hit steps for trees sent ahead of their verdicts (verify nodes older
+    /// than protocol version 4 take none, and are then priced optimistically).
+    pub fn sending_ahead(mut self, yes: bool) -> Self {
+        self.sends_ahead = yes;
         self
     }
 
@@ -498,6 +509,7 @@ impl Planner {
             network: costs.network,
             overhead_ms: 0.5,
             step_extra_ms: self.step_extra_ms(),
+            sends_ahead: self.sends_ahead,
             context: self.cfg.profile_context,
             note: String::new(),
         };

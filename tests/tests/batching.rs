@@ -104,6 +104,7 @@ fn tree_for(plan: &Plan, step: u64, root: u32) -> pb::VerifyTree {
         } else {
             Vec::new()
         },
+        assumes: None,
     }
 }
 

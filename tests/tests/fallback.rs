@@ -339,6 +339,7 @@ fn verify_node_decodes_on_the_wire_and_refuses_malformed_decodes() {
                 parents: vec![-1],
                 tokens: vec![got[7]],
                 draft_dists: vec![],
+                assumes: None,
             })),
         })
         .await

@@ -126,6 +126,7 @@ impl Session {
                     parents,
                     tokens: toks.clone(),
                     draft_dists: dists,
+                    assumes: None,
                 })),
             })
             .await

@@ -247,6 +247,7 @@ fn tree_msg(
             parents,
             tokens,
             draft_dists: dists,
+            assumes: None,
         })),
     }
 }

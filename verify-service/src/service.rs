@@ -284,6 +284,23 @@ async fn run_session(
                 ))
             }
         };
+        if let Some(assumed) = &tree.assumes {
+            if version < limits::AHEAD_PROTOCOL_VERSION {
+                return Err(Status::invalid_argument(format!(
+                    "tree.assumes needs protocol version {} or later; this session runs {version}",
+                    limits::AHEAD_PROTOCOL_VERSION
+                )));
+            }
+            let root = tree.tokens.first().copied();
+            if !session.ahead_holds(tree.step, &assumed.accepted_nodes, root) {
+                // Sent ahead for a verdict that did not come: dropped, no model work, no answer.
+                tracing::debug!(
+                    step = tree.step,
+                    "tree sent ahead dropped: its assumed verdict did not come"
+                );
+                continue;
+            }
+        }
         let dists = wire::dists_from_wire(tree.draft_dists);
         let model = state.model.clone();
         let span = info_span!("verify_step", step = tree.step, nodes = tree.parents.len());

@@ -58,6 +58,9 @@ pub struct VerifySession {
     /// Cache length at which the `open`'s max_new_tokens are all committed (each committed
     /// token but the newest is in the cache): where a `decode` stops.
     token_limit: usize,
+    /// The latest verdict (step, accepted nodes, next token): what a tree sent ahead for the
+    /// next step is checked against.
+    last_verdict: Option<(u64, Vec<usize>, u32)>,
 }
 
 /// A tree that passed every check of [`VerifySession::prepare`]: ready to be forwarded (alone
@@ -143,6 +146,7 @@ impl VerifySession {
             next_step: 0,
             limits,
             token_limit: prefix.len() + max_new_tokens,
+            last_verdict: None,
         })
     }
 
@@ -180,6 +184,30 @@ impl VerifySession {
     /// Step number the next tree (or decoded token) must carry.
     pub fn next_step(&self) -> u64 {
         self.next_step
+    }
+
+    /// Whether to verify now a tree sent ahead (`VerifyTree.assumes`, docs/ALGORITHMS.md §10)
+    /// for `step`, assuming that the verdict before it accepted `accepted` and drew `root`:
+    /// true when that is this session's latest verdict, false when another verdict came or the
+    /// step was verified already (the tree is then dropped unanswered). A step beyond the next
+    /// one is not the draft's to assume: true, so that [`prepare`](Self::prepare) refuses it.
+    pub fn ahead_holds(&self, step: u64, accepted: &[u32], root: Option<u32>) -> bool {
+        if step > self.next_step {
+            return true;
+        }
+        match &self.last_verdict {
+            Some((last, acc, next)) => {
+                step == self.next_step
+                    && last + 1 == step
+                    && Some(*next) == root
+                    && acc.len() == accepted.len()
+                    && acc
+                        .iter()
+                        .zip(accepted)
+                        .all(|(&a, &b)| a as u64 == b as u64)
+            }
+            None => false,
+        }
     }
 
     /// New tokens this session may still commit under its `open`'s max_new_tokens.
@@ -298,6 +326,7 @@ impl VerifySession {
         self.tokens.truncate(self.cache.len() - keep.len());
         self.tokens.extend(keep.iter().map(|&v| tokens[v]));
         self.next_step += 1;
+        self.last_verdict = Some((step, verdict.accepted.clone(), verdict.next_token));
         Ok(StepResult {
             step,
             verdict,

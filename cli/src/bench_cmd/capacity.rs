@@ -534,6 +534,7 @@ async fn replay_session(
                 parents,
                 tokens: tokens.clone(),
                 draft_dists: Vec::new(),
+                assumes: None,
             })),
         })
         .await?;

@@ -46,6 +46,8 @@ struct Acc {
     pipeline_misses: u64,
     pipeline_wasted_ms: f64,
     first_trees_early: u64,
+    trees_sent_ahead: u64,
+    trees_taken_ahead: u64,
     lookup_proposed: u64,
     lookup_accepted: u64,
 }
@@ -71,6 +73,8 @@ impl Acc {
         self.pipeline_misses += r.pipeline_misses as u64;
         self.pipeline_wasted_ms += r.pipeline_wasted_ms;
         self.first_trees_early += r.first_tree_early as u64;
+        self.trees_sent_ahead += r.trees_sent_ahead as u64;
+        self.trees_taken_ahead += r.trees_taken_ahead as u64;
         self.lookup_proposed += r.lookup_proposed;
         self.lookup_accepted += r.lookup_accepted;
         self.counts.add(&RankCounts::new(
@@ -126,6 +130,12 @@ pub struct Cell {
     /// `+pipe` methods: runs whose first tree was grown during the verify node's prefill.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_trees_early: Option<u64>,
+    /// `+pipe` methods: trees sent ahead of the verdict they assumed, and how many of them that
+    /// verdict confirmed (verified with no round trip before them), summed over the runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trees_sent_ahead: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub trees_taken_ahead: Option<u64>,
     /// Prompt-lookup nodes sent in the trees (T = 0 only), and how many were accepted.
     pub lookup_proposed: u64,
     pub lookup_accepted: u64,
@@ -205,6 +215,8 @@ impl Cell {
             pipeline_misses: a.pipelined.then_some(a.pipeline_misses),
             pipeline_wasted_ms: a.pipelined.then_some(a.pipeline_wasted_ms),
             first_trees_early: a.pipelined.then_some(a.first_trees_early),
+            trees_sent_ahead: a.pipelined.then_some(a.trees_sent_ahead),
+            trees_taken_ahead: a.pipelined.then_some(a.trees_taken_ahead),
             lookup_proposed: a.lookup_proposed,
             lookup_accepted: a.lookup_accepted,
             draft_cpus: None,
@@ -534,7 +546,7 @@ pub fn markdown(rep: &Report) -> String {
         let _ = writeln!(
             s,
             " draft ms/tok | network ms/tok | verify ms/tok | overhead ms/tok |{} \
-             pipeline hits/misses (first trees early/runs) | pipeline wasted ms | setup |",
+             pipeline hits/misses (first trees early/runs; taken/sent ahead) | pipeline wasted ms | setup |",
             if t == 0.0 {
                 " greedy = target | lookup accepted/sent |"
             } else {
@@ -599,7 +611,12 @@ pub fn markdown(rep: &Report) -> String {
                 s,
                 " {} | {} | {} |",
                 match (c.pipeline_hits, c.pipeline_misses, c.first_trees_early) {
-                    (Some(h), Some(m), Some(e)) => format!("{h}/{m} ({e}/{})", c.prompts),
+                    (Some(h), Some(m), Some(e)) => format!(
+                        "{h}/{m} ({e}/{}; {}/{})",
+                        c.prompts,
+                        c.trees_taken_ahead.unwrap_or(0),
+                        c.trees_sent_ahead.unwrap_or(0)
+                    ),
                     _ => "–".into(),
                 },
                 c.pipeline_wasted_ms
@@ -861,6 +878,8 @@ mod tests {
                 r.pipeline_misses = misses;
                 r.pipeline_wasted_ms = 1.5;
                 r.first_tree_early = q == 2;
+                r.trees_sent_ahead = 4;
+                r.trees_taken_ahead = q as u32;
                 recs.push(Record::Run(r));
             }
         }
@@ -876,6 +895,10 @@ mod tests {
         assert!((c.step_ms - 100.0).abs() < 1e-12);
         assert_eq!((c.pipeline_hits, c.pipeline_misses), (Some(8), Some(1)));
         assert_eq!(c.first_trees_early, Some(1));
+        assert_eq!(
+            (c.trees_taken_ahead, c.trees_sent_ahead),
+            (Some(3), Some(8))
+        );
         assert!((c.pipeline_wasted_ms.unwrap() - 3.0).abs() < 1e-12);
         assert_eq!(c.verify_cpus.as_deref(), Some("1-2"));
         assert_eq!((c.rtt_ms, c.bandwidth_mbps), (10.0, 100.0));
@@ -896,7 +919,9 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains(" 8/1 (1/2) | 3.0 | draft 0 ×1 · verify 1-2 ×2 · RTT 10 ms · 100 Mbit/s |"),
+            md.contains(
+                " 8/1 (1/2; 3/8) | 3.0 | draft 0 ×1 · verify 1-2 ×2 · RTT 10 ms · 100 Mbit/s |"
+            ),
             "{md}"
         );
         assert!(md.contains("100 Mbit/s per direction"), "{md}");

@@ -110,6 +110,11 @@ pub struct RunRecord {
     /// The first tree was grown (whole or in part) during the verify node's prefill.
     #[serde(default)]
     pub first_tree_early: bool,
+    /// Trees sent ahead of the verdict they assumed, and how many that verdict confirmed.
+    #[serde(default)]
+    pub trees_sent_ahead: u32,
+    #[serde(default)]
+    pub trees_taken_ahead: u32,
     /// Prompt-lookup nodes sent in the trees, and how many of them were accepted.
     #[serde(default)]
     pub lookup_proposed: u64,

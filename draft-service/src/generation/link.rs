@@ -7,8 +7,10 @@
 use crate::nodes::{unavailable, Reservation, VerifyNode};
 use crate::state::DraftState;
 use sequoia_core::limits::{
-    negotiate_protocol, DECODE_PROTOCOL_VERSION, MAX_FAILOVERS, PROTOCOL_VERSION,
+    negotiate_protocol, AHEAD_PROTOCOL_VERSION, DECODE_PROTOCOL_VERSION, MAX_FAILOVERS,
+    PROTOCOL_VERSION,
 };
+use sequoia_core::tree::Tree;
 use sequoia_proto::v1::{
     session_request, session_response, DecodeTokens, Decoded, OpenSession, SamplingConfig,
     SessionOpened, SessionRequest, SessionResponse, Verdict, VerifyTree,
@@ -17,6 +19,29 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tonic::{Code, Status};
+
+/// The next tree, sent before the verdict it assumes has reached the draft node (pipelined
+/// drafting, docs/ALGORITHMS.md §10, "Trees sent ahead"): the verify node verifies it right after
+/// that verdict if the verdict is the assumed one, and drops it otherwise.
+#[derive(Debug, Clone)]
+pub(super) struct AheadTree {
+    /// The tree, its `assumes` set (the step is set when it is sent).
+    pub message: VerifyTree,
+    /// The planned shape it was grown for (a node may have fewer children than planned).
+    pub shape: Tree,
+}
+
+impl AheadTree {
+    /// Whether `verdict` is the one this tree assumed.
+    fn assumed(&self, verdict: &Verdict) -> bool {
+        self.message.tokens.first() == Some(&verdict.next_token)
+            && self
+                .message
+                .assumes
+                .as_ref()
+                .is_some_and(|a| a.accepted_nodes == verdict.accepted_nodes)
+    }
+}
 
 /// One generation's verification session, wherever it currently lives.
 pub(super) struct VerifyLink {
@@ -28,6 +53,8 @@ pub(super) struct VerifyLink {
     context_limit: usize,
     /// The decode in progress (the verify node decodes on its own), if any.
     decoding: Option<Decoding>,
+    /// Trees sent ahead on the nodes this generation left.
+    ahead_sent: u32,
 }
 
 /// A decode in progress: what is left of it, so that a lost node's decode can be resumed on
@@ -67,6 +94,7 @@ impl VerifyLink {
             failovers: 0,
             context_limit,
             decoding: None,
+            ahead_sent: 0,
         })
     }
 
@@ -151,6 +179,11 @@ impl VerifyLink {
         self.failovers
     }
 
+    /// Trees sent ahead of their verdicts so far, on every node this generation used.
+    pub(super) fn ahead_sent(&self) -> u32 {
+        self.ahead_sent + self.link.ahead_sent
+    }
+
     pub(super) fn context_limit(&self) -> usize {
         self.context_limit
     }
@@ -159,22 +192,37 @@ impl VerifyLink {
     /// verdict with the round-trip time of the attempt that answered. If the node is lost, the
     /// session moves to another node: `committed` are all committed tokens (prompt + generated;
     /// the newest is the tree's root) and `remaining` the tokens still allowed.
+    ///
+    /// `sent`: the tree went ahead of the previous verdict and that verdict confirmed it
+    /// ([`Self::verify`] returned it), so it is not sent again (unless the session moves).
+    /// While the verdict is awaited, trees arriving on `ahead` are sent ahead of it, on nodes
+    /// that take them; the verdict comes back with the one it confirmed, which the node is
+    /// verifying by then.
     pub(super) async fn verify(
         &mut self,
         state: &DraftState,
         message: impl Fn() -> VerifyTree,
         committed: impl Fn() -> Vec<u32>,
         remaining: usize,
-    ) -> Result<(Verdict, Duration), Status> {
+        sent: bool,
+        mut ahead: Option<&mut mpsc::UnboundedReceiver<AheadTree>>,
+    ) -> Result<(Verdict, Duration, Option<AheadTree>), Status> {
         let timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
+        let mut tree = (!sent).then(&message);
         loop {
             let t_rt = Instant::now();
             let vocab = state.model.info().vocab_size;
-            match self.link.verify(message(), timeout, vocab).await {
-                Ok(v) => return Ok((v, t_rt.elapsed())),
+            match self
+                .link
+                .verify(tree.take(), timeout, vocab, &mut ahead)
+                .await
+            {
+                Ok((v, taken)) => return Ok((v, t_rt.elapsed(), taken)),
                 Err(e) if e.code() == Code::Unavailable && self.failovers < MAX_FAILOVERS => {
+                    // Trees sent ahead were lost with the node: this one is sent afresh.
                     self.move_session(state, &e, &committed(), remaining)
                         .await?;
+                    tree = Some(message());
                 }
                 Err(e) => return Err(e),
             }
@@ -190,6 +238,7 @@ impl VerifyLink {
         remaining: usize,
     ) -> Result<(), Status> {
         self.failovers += 1;
+        self.ahead_sent += self.link.ahead_sent;
         state.metrics.failover();
         self.link.node().mark_unreachable();
         let lost = self.addr().to_string();
@@ -234,6 +283,11 @@ struct Link {
     opened: SessionOpened,
     /// The protocol version this session runs.
     version: u32,
+    /// Trees sent ahead of the verdict now awaited; and the one the latest verdict confirmed,
+    /// which the node verifies next without being sent it again.
+    ahead: Vec<AheadTree>,
+    in_flight: Option<AheadTree>,
+    ahead_sent: u32,
 }
 
 impl Link {
@@ -289,6 +343,9 @@ impl Link {
             next_step: 0,
             opened,
             version,
+            ahead: Vec::new(),
+            in_flight: None,
+            ahead_sent: 0,
         })
     }
 
@@ -328,26 +385,52 @@ impl Link {
         Ok(d)
     }
 
-    /// Send one tree (numbered here, per session) and wait for its verdict.
-    pub(super) async fn verify(
+    /// Send one tree (numbered here, per session; None: the tree the latest verdict confirmed,
+    /// already sent ahead) and wait for its verdict, sending the trees that arrive on `ahead`
+    /// meanwhile (where the session takes them). Returns the verdict and the tree sent ahead
+    /// that it confirmed, if any.
+    async fn verify(
         &mut self,
-        mut tree: VerifyTree,
+        tree: Option<VerifyTree>,
         timeout: Duration,
         vocab: usize,
-    ) -> Result<Verdict, Status> {
+        ahead: &mut Option<&mut mpsc::UnboundedReceiver<AheadTree>>,
+    ) -> Result<(Verdict, Option<AheadTree>), Status> {
         let step = self.next_step;
-        tree.step = step;
         let addr = self.addr().to_string();
-        let parents = tree.parents.clone();
-        self.req_tx
-            .send(SessionRequest {
-                msg: Some(session_request::Msg::Tree(tree)),
-            })
-            .await
-            .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))?;
-        let Some(session_response::Msg::Verdict(verdict)) =
-            next_response(&mut self.inbound, &addr, timeout).await?
-        else {
+        let parents = match tree {
+            Some(mut tree) => {
+                tree.step = step;
+                let parents = tree.parents.clone();
+                self.send(session_request::Msg::Tree(tree)).await?;
+                parents
+            }
+            None => match self.in_flight.take() {
+                Some(t) => t.message.parents,
+                None => return Err(Status::internal("no tree sent ahead is being verified")),
+            },
+        };
+        self.ahead.clear();
+        let takes_ahead = self.version >= AHEAD_PROTOCOL_VERSION;
+        let response = loop {
+            tokio::select! {
+                biased;
+                r = next_response(&mut self.inbound, &addr, timeout) => break r?,
+                next = next_ahead(ahead) => match next {
+                    Some(mut t) if takes_ahead => {
+                        t.message.step = step + 1;
+                        self.send(session_request::Msg::Tree(t.message.clone())).await?;
+                        self.ahead.push(t);
+                        self.ahead_sent += 1;
+                    }
+                    // An older node: nothing goes ahead.
+                    Some(_) => {}
+                    // Nothing more will come.
+                    None => *ahead = None,
+                },
+            }
+        };
+        let Some(session_response::Msg::Verdict(verdict)) = response else {
             return Err(bad_node(&addr, "answered a tree with something else"));
         };
         if verdict.step != step {
@@ -359,7 +442,30 @@ impl Link {
         sequoia_server::wire::check_verdict(&verdict, &parents, vocab)
             .map_err(|e| bad_node(&addr, &e))?;
         self.next_step += 1;
-        Ok(verdict)
+        // The node verifies the tree sent ahead for this verdict (at most one assumed it) next.
+        let taken = std::mem::take(&mut self.ahead)
+            .into_iter()
+            .find(|t| t.assumed(&verdict));
+        self.in_flight = taken.clone();
+        Ok((verdict, taken))
+    }
+
+    async fn send(&mut self, msg: session_request::Msg) -> Result<(), Status> {
+        let addr = self.addr().to_string();
+        self.req_tx
+            .send(SessionRequest { msg: Some(msg) })
+            .await
+            .map_err(|_| Status::unavailable(format!("verify node {addr} closed the session")))
+    }
+}
+
+/// The next tree to send ahead; None once the sender is done (or there is none).
+async fn next_ahead(
+    ahead: &mut Option<&mut mpsc::UnboundedReceiver<AheadTree>>,
+) -> Option<AheadTree> {
+    match ahead {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
     }
 }
 

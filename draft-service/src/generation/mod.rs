@@ -21,13 +21,13 @@ pub use summary::record_summary;
 use crate::nodes::{unavailable, VerifyNode};
 use crate::plan::ActivePlan;
 use crate::state::DraftState;
-use link::VerifyLink;
+use link::{AheadTree, VerifyLink};
 use sequoia_core::lookup::{worth_grafting, LookupRecord};
 use sequoia_core::planner::cost::{pipeline_hit_rate, NodeCosts};
 use sequoia_core::stats::{AcceptanceCounts, RankCounts};
 use sequoia_core::tree::Tree;
 use sequoia_core::types::FinishReason;
-use sequoia_engine::drafting::{DraftSession, DraftedTree, Speculation};
+use sequoia_engine::drafting::{DraftSession, DraftedTree, Speculation, SpeculationOutcome};
 use sequoia_proto::v1::{GenerateChunk, Verdict};
 use sequoia_server::admission::Permit;
 use sequoia_server::wire;
@@ -119,7 +119,9 @@ async fn generate(
             break FinishReason::Context;
         }
         g.maybe_replan()?;
-        if let Some(k) = g.decode_size(room) {
+        // A tree sent ahead that the last verdict confirmed is being verified already: its
+        // verdict comes next, whatever the plan now says.
+        if let Some(k) = g.decode_size(room).filter(|_| g.in_flight.is_none()) {
             // No tree pays: the verify node decodes on its own (the decode fallback).
             let (back, delivered) = g.decode(draft, k, &mut out, tx).await?;
             draft = back;
@@ -129,7 +131,10 @@ async fn generate(
                 Delivered::ClientGone => return Ok(()),
             }
         }
-        let shape = g.step_shape(room, &draft);
+        let shape = match &g.in_flight {
+            Some(sent) => sent.shape.clone(),
+            None => g.step_shape(room, &draft),
+        };
         let t_step = Instant::now();
         let (back, mut drafted) = g.draft(draft, &shape).await?;
         draft = back;
@@ -138,13 +143,23 @@ async fn generate(
         if g.steps() == 0 {
             g.first_tree_early = hit;
         }
-        let lookup = g.add_lookup(&mut drafted, room);
+        let sent = g.in_flight.take();
+        let lookup = match &sent {
+            // Sent as grown, without lookup branches (they depend on text not committed then).
+            Some(tree) => {
+                same_as_sent(&drafted, tree)?;
+                LookupStep::default()
+            }
+            None => g.add_lookup(&mut drafted, room),
+        };
         let (verdict, ahead) = if g.pipeline {
-            let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, room).await?;
+            let (back, verdict, ahead) = g
+                .verify_pipelined(draft, &drafted, room, sent.is_some())
+                .await?;
             draft = back;
             (verdict, ahead)
         } else {
-            (g.verify(&drafted).await?, None)
+            (g.verify(&drafted, false, None).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
         g.lookup_record.record(&lookup.guess, &emitted);
@@ -257,6 +272,11 @@ struct Generation<'a> {
     ahead_time: Option<Duration>,
     /// The first tree had been grown (whole or in part) during the verify node's prefill.
     first_tree_early: bool,
+    /// A tree sent ahead that the latest verdict confirmed: the verify node is verifying it,
+    /// so the next step takes it over instead of sending a tree (docs/ALGORITHMS.md §10).
+    in_flight: Option<AheadTree>,
+    /// Steps whose tree had been sent ahead and was confirmed.
+    ahead_taken: u32,
     /// Committed tokens the draft caught up over before its latest tree.
     caught_up: usize,
     /// Tokens the verify node decoded on its own (the decode fallback), and whether a decode
@@ -397,6 +417,8 @@ impl<'a> Generation<'a> {
             load_sessions: 1.0,
             ahead_time: None,
             first_tree_early: false,
+            in_flight: None,
+            ahead_taken: 0,
             caught_up: 0,
             fallback_tokens: 0,
             replan_due: false,
@@ -726,7 +748,15 @@ impl<'a> Generation<'a> {
     }
 
     /// Verify the drafted tree (on whichever node holds the session) and check the verdict.
-    async fn verify(&mut self, drafted: &DraftedTree) -> Result<Verdict, Status> {
+    /// `sent`: it went ahead of the previous verdict, which confirmed it (it is not sent
+    /// again). Trees arriving on `ahead` meanwhile are sent ahead of this verdict; the one it
+    /// confirms becomes [`Generation::in_flight`].
+    async fn verify(
+        &mut self,
+        drafted: &DraftedTree,
+        sent: bool,
+        ahead: Option<&mut mpsc::UnboundedReceiver<AheadTree>>,
+    ) -> Result<Verdict, Status> {
         let committed = || {
             let mut c = self.prep.prompt_tokens.clone();
             c.extend_from_slice(&self.generated);
@@ -734,10 +764,12 @@ impl<'a> Generation<'a> {
         };
         let remaining = self.prep.max_tokens - self.generated.len();
         let message = || wire::tree_message(&drafted.tree, &drafted.tokens, &drafted.dists);
-        let (verdict, round_trip) = self
+        let (verdict, round_trip, taken) = self
             .link
-            .verify(self.state, message, committed, remaining)
+            .verify(self.state, message, committed, remaining, sent, ahead)
             .await?;
+        self.ahead_taken += taken.is_some() as u32;
+        self.in_flight = taken;
         self.times.roundtrip += round_trip;
         self.times.verify_ms += verdict.verify_ms;
         let sessions = verdict.batch_sessions.clamp(1, MAX_LOAD_SESSIONS) as f64;
@@ -766,17 +798,22 @@ impl<'a> Generation<'a> {
     /// verdicts (pipelined drafting, docs/ALGORITHMS.md §10) on a blocking thread. The
     /// verdict's arrival stops it (after the level in progress); what it grew goes to
     /// [`commit`](Self::commit).
+    ///
+    /// Each candidate's tree, once complete, goes to the verify node ahead of the verdict it
+    /// assumes (`pipeline.send_ahead`), unless that verdict would end the generation or leave
+    /// no room for it.
     async fn verify_pipelined(
         &mut self,
         mut draft: DraftSession,
         drafted: &DraftedTree,
         room: usize,
+        sent: bool,
     ) -> Result<(DraftSession, Verdict, Option<Speculation>), Status> {
         // The next step's shape, assuming the deepest path (the least room) and the plan as it
         // is; if the plan changes at the next re-plan, the tree grown ahead is dropped.
         let next = self.shape_at(room.saturating_sub(drafted.tree.levels()), self.steps() + 1);
         if next.len() < 2 || drafted.forwarded() == 0 {
-            return Ok((draft, self.verify(drafted).await?, None));
+            return Ok((draft, self.verify(drafted, sent, None).await?, None));
         }
         let cfg = &self.state.config.pipeline;
         let ends = drafted.likeliest_ends(&self.plan.acceptance, cfg.candidates);
@@ -787,12 +824,23 @@ impl<'a> Generation<'a> {
             stop.clone(),
             cfg.max_forwards,
         );
+        let (ahead_tx, mut ahead_rx) = mpsc::unbounded_channel();
+        let rules = cfg.send_ahead.then(|| SendAhead {
+            eos: self.state.tokenizer.eos_ids().to_vec(),
+            tokens_left: self.prep.max_tokens - self.generated.len(),
+            room,
+            shape: next.clone(),
+        });
         let ahead = tokio::task::spawn_blocking(move || {
             let t0 = Instant::now();
-            let spec = draft.speculate(&model, &tree, &next, &ends, max, &flag);
+            let spec = draft.speculate_then(&model, &tree, &next, &ends, max, &flag, |end, t| {
+                if let Some(message) = rules.as_ref().and_then(|r| r.message(&tree, end, t)) {
+                    let _ = ahead_tx.send(message);
+                }
+            });
             (draft, spec, t0.elapsed())
         });
-        let verdict = self.verify(drafted).await;
+        let verdict = self.verify(drafted, sent, Some(&mut ahead_rx)).await;
         stop.store(true, Ordering::Relaxed);
         let stopped = Instant::now();
         let (draft, spec, took) = ahead
@@ -820,12 +868,19 @@ impl<'a> Generation<'a> {
     ) -> Result<Vec<u32>, Status> {
         let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
         let followed = match ahead {
-            None => draft.commit(drafted, &accepted),
+            None => draft.commit(drafted, &accepted).map(|()| None),
             Some(spec) => draft
                 .commit_speculated(drafted, &accepted, verdict.next_token, spec)
-                .map(drop),
+                .map(Some),
         };
-        followed.map_err(|e| Status::internal(format!("verify node {}: {e}", self.link.addr())))?;
+        let outcome = followed
+            .map_err(|e| Status::internal(format!("verify node {}: {e}", self.link.addr())))?;
+        if self.in_flight.is_some() && outcome != Some(SpeculationOutcome::Hit) {
+            // The verdict confirmed a tree sent ahead, so its growth must be the one kept.
+            return Err(Status::internal(
+                "a tree sent ahead was confirmed but the draft did not keep its growth",
+            ));
+        }
         // The draft's statistics count the tree it grew; lookup nodes are counted apart.
         let ranks = verdict.accepted_ranks.iter().map(|&r| r as usize);
         let (grown, path) = drafted.drafted_path(&accepted);
@@ -911,6 +966,55 @@ impl<'a> Generation<'a> {
 struct LookupStep {
     guess: Vec<u32>,
     cost_ms: f64,
+}
+
+/// What decides whether a candidate's next tree may go ahead of the verdict it assumes, and
+/// its wire form: the verdict must leave the generation running (no EOS among its tokens, fewer
+/// than the tokens left) with room in the context for the tree.
+struct SendAhead {
+    eos: Vec<u32>,
+    tokens_left: usize,
+    room: usize,
+    shape: Tree,
+}
+
+impl SendAhead {
+    /// The tree `next` grown for the verdict that ends at node `end` of `tree` (in indices of
+    /// the tree as drafted) and draws `next`'s root, as a tree to send ahead; None if it may
+    /// not go.
+    fn message(&self, tree: &DraftedTree, end: usize, next: DraftedTree) -> Option<AheadTree> {
+        let (accepted, mut emitted) = tree.path_to_drafted(end)?;
+        emitted.push(next.tokens[0]);
+        if emitted.iter().any(|t| self.eos.contains(t))
+            || emitted.len() >= self.tokens_left
+            || emitted.len() + next.tree.len() > self.room
+        {
+            return None;
+        }
+        let mut message = wire::tree_message(&next.tree, &next.tokens, &next.dists);
+        message.assumes = Some(sequoia_proto::v1::TreeAssumption {
+            accepted_nodes: accepted.iter().map(|&v| v as u32).collect(),
+        });
+        Some(AheadTree {
+            message,
+            shape: self.shape.clone(),
+        })
+    }
+}
+
+/// A step's tree grown after the verdict must be the one sent ahead for it (the drafter's
+/// trees depend only on the committed tokens and their position, §10); anything else is a bug,
+/// reported rather than verified under the wrong tokens.
+fn same_as_sent(drafted: &DraftedTree, sent: &AheadTree) -> Result<(), Status> {
+    if drafted.tree.parents() == sent.message.parents.as_slice()
+        && drafted.tokens == sent.message.tokens
+    {
+        Ok(())
+    } else {
+        Err(Status::internal(
+            "the tree grown after a verdict differs from the one sent ahead for it",
+        ))
+    }
 }
 
 /// Decoded tokens the draft lets queue before it runs them through its model during a decode.

@@ -46,12 +46,17 @@ pub const MAX_CHAT_MESSAGES: usize = 4096;
 /// Version 1 is the protocol before versioning (peers that send no version field, i.e. 0, are
 /// treated as 1). Bump `PROTOCOL_VERSION` on any change to the Session messages' meaning; raise
 /// `MIN_PROTOCOL_VERSION` only when the old meaning is no longer understood.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 pub const MIN_PROTOCOL_VERSION: u32 = 1;
 
 /// First protocol version whose sessions take `decode` (the verify-side decode fallback); a
 /// draft sends it only on sessions that negotiated this version or later.
 pub const DECODE_PROTOCOL_VERSION: u32 = 3;
+
+/// First protocol version whose sessions take trees sent ahead (`VerifyTree.assumes`): the draft
+/// node sends the next tree before the verdict it assumes, and the verify node verifies it as
+/// soon as that verdict holds (docs/ALGORITHMS.md §10, "Trees sent ahead").
+pub const AHEAD_PROTOCOL_VERSION: u32 = 4;
 
 /// Most tokens one `decode` message may ask for.
 pub const MAX_DECODE_TOKENS: u32 = 1024;

@@ -67,10 +67,36 @@ fn run_case(
     same_tree(&a, &b, "tree k");
     let candidates = b.likeliest_ends(&[0.6, 0.2, 0.1], ends);
     let stop = AtomicBool::new(false);
+    let mut handed = Vec::new();
     let spec = piped
-        .speculate(model, &b, shape, &candidates, max_forwards, &stop)
+        .speculate_then(
+            model,
+            &b,
+            shape,
+            &candidates,
+            max_forwards,
+            &stop,
+            |end, t| handed.push((end, t)),
+        )
         .unwrap();
-    let (end, bonus) = verdict(&b, &spec.candidates());
+    // Trees are handed out complete, once each, for candidates only; with forwards to spare,
+    // for every candidate.
+    let cands = spec.candidates();
+    for (end, t) in &handed {
+        assert!(cands
+            .iter()
+            .any(|(e, g)| e == end && *g == Some(t.tokens[0])));
+        assert!(t.was_drafted_ahead());
+    }
+    assert!(handed.len() <= cands.len());
+    if max_forwards >= 100 {
+        assert_eq!(
+            handed.len(),
+            cands.len(),
+            "every candidate's tree completes"
+        );
+    }
+    let (end, bonus) = verdict(&b, &cands);
     let accepted = path_to(&b.tree, end);
     plain.commit(&a, &accepted).unwrap();
     let outcome = piped.commit_speculated(&b, &accepted, bonus, spec).unwrap();
@@ -79,6 +105,15 @@ fn run_case(
     let b1 = piped.grow(model, bonus, shape).unwrap();
     same_tree(&a1, &b1, "tree k+1");
     assert_eq!(b1.was_drafted_ahead(), outcome == SpeculationOutcome::Hit);
+    // A tree handed out for the verdict that came is the one sent ahead: it must be the tree
+    // the drafter grows after the verdict.
+    if let Some((_, sent)) = handed
+        .iter()
+        .find(|(e, t)| *e == end && t.tokens[0] == bonus)
+    {
+        assert_eq!(outcome, SpeculationOutcome::Hit);
+        same_tree(&a1, sent, "tree k+1 sent ahead");
+    }
     // The caches must agree too: follow tree k+1's deepest first-child path and grow again.
     let mut end1 = 0;
     while let Some(&c) = a1.tree.children(end1).first() {

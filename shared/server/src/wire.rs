@@ -43,6 +43,7 @@ pub fn tree_message(tree: &Tree, tokens: &[u32], dists: &[SparseDist]) -> pb::Ve
                 probs: q.probs.clone(),
             })
             .collect(),
+        assumes: None,
     }
 }
 

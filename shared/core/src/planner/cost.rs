@@ -108,6 +108,10 @@ pub struct Profile {
     /// Decodes of the fallback do not pay it.
     #[serde(default)]
     pub step_extra_ms: f64,
+    /// Pipelined trees go to the verify node ahead of the verdict they assume (docs/ALGORITHMS.md
+    /// §10, "Trees sent ahead"), so a hit step costs [`sent_ahead_hit_ms`].
+    #[serde(default)]
+    pub sends_ahead: bool,
     /// Context length the forwards were measured at.
     pub context: usize,
     /// Free-form description (models, machine).
@@ -197,6 +201,30 @@ pub fn pipelined_step_ms(hit: f64, draft_next_ms: f64, round_trip_ms: f64, draft
     hit * draft_next_ms.max(round_trip_ms) + (1.0 - hit) * (round_trip_ms + draft_ms)
 }
 
+/// A hit step's time when the next tree goes to the verify node as soon as it is grown, ahead
+/// of the verdict it assumes, and the node verifies it right after that verdict.
+///
+/// Over a run of such steps the node starts each tree when the previous verdict is out, if the
+/// tree has arrived: then a step is one verification, `round_trip − network`. The growth of the
+/// tree after next starts only when that verdict reaches the draft, and it arrives after the
+/// growth and the network; when that is the longer path, consecutive steps share it and settle
+/// at `(draft + round_trip) / 2`. A growth that outlasts the round trip is not sent ahead (the
+/// verdict comes first), so the step is the growth, as without sending ahead:
+///
+/// ```text
+/// t_hit = max(round_trip − network, (draft + round_trip) / 2)   if draft < round_trip
+///       = draft                                                   otherwise
+/// ```
+///
+/// Never longer than `max(draft, round_trip)`, the hit step without sending ahead.
+pub fn sent_ahead_hit_ms(draft_next_ms: f64, round_trip_ms: f64, network_ms: f64) -> f64 {
+    if draft_next_ms < round_trip_ms {
+        (round_trip_ms - network_ms).max(0.5 * (draft_next_ms + round_trip_ms))
+    } else {
+        draft_next_ms
+    }
+}
+
 /// A hit probability as the step model uses it: within 0..=1, [`PIPELINE_HIT_PRIOR`] if not
 /// a number.
 fn hit_probability(hit: f64) -> f64 {
@@ -254,8 +282,17 @@ pub fn predict_pipelined(
     let round_trip = network_ms + verify_ms + profile.overhead_ms;
     // The root alone drafts nothing, so there is nothing to overlap.
     let pipeline_hit = pipeline_hit.filter(|_| tree.len() > 1);
+    let hit_ms = if profile.sends_ahead {
+        sent_ahead_hit_ms(draft_ms, round_trip, network_ms)
+    } else {
+        draft_ms.max(round_trip)
+    };
     let step_ms = profile.step_extra_ms
         + match pipeline_hit {
+            Some(hit) if profile.sends_ahead => {
+                let hit = hit_probability(hit);
+                hit * hit_ms + (1.0 - hit) * (round_trip + draft_ms)
+            }
             Some(hit) => pipelined_step_ms(hit, draft_ms, round_trip, draft_ms),
             None => draft_ms + round_trip,
         };
@@ -271,7 +308,7 @@ pub fn predict_pipelined(
         speedup: g * profile.verify.at(1) / step_ms,
         parents: tree.parents().to_vec(),
         pipeline_hit,
-        hit_step_ms: pipeline_hit.map(|_| profile.step_extra_ms + draft_ms.max(round_trip)),
+        hit_step_ms: pipeline_hit.map(|_| profile.step_extra_ms + hit_ms),
     }
 }
 
@@ -548,6 +585,7 @@ mod tests {
             },
             overhead_ms: 0.5,
             step_extra_ms: 0.0,
+            sends_ahead: false,
             context: 256,
             note: String::new(),
         }
@@ -633,6 +671,34 @@ mod tests {
         assert_eq!(pipelined_step_ms(2.0, 3.0, 10.0, 3.0), 10.0);
         assert_eq!(pipelined_step_ms(-1.0, 3.0, 10.0, 3.0), 13.0);
         assert_eq!(pipelined_step_ms(f64::NAN, 3.0, 10.0, 3.0), 11.5);
+    }
+
+    #[test]
+    fn trees_sent_ahead_take_the_round_trip_off_hit_steps() {
+        // A quick growth: the step is the verification alone (round trip 100 = 90 + network 10).
+        assert_eq!(sent_ahead_hit_ms(20.0, 100.0, 10.0), 90.0);
+        // A growth that, with the network, outlasts the verification: shared over two steps.
+        assert_eq!(sent_ahead_hit_ms(95.0, 100.0, 10.0), 97.5);
+        // A growth longer than the round trip is not sent ahead: the growth, as before.
+        assert_eq!(sent_ahead_hit_ms(120.0, 100.0, 10.0), 120.0);
+        // Never longer than the hit step without sending ahead, continuous where they meet.
+        for draft in [0.0, 30.0, 80.0, 99.9, 100.0, 150.0] {
+            let t = sent_ahead_hit_ms(draft, 100.0, 10.0);
+            assert!(t <= f64::max(draft, 100.0) + 1e-9, "draft {draft}");
+        }
+        assert!((sent_ahead_hit_ms(99.999, 100.0, 10.0) - 100.0).abs() < 1e-2);
+        // In the prediction: the hit step and the expected step use it, misses are unchanged.
+        let mut prof = profile(|n| 60.0 + 10.0 * n, 5.0, 20.0);
+        let tree = Tree::from_parents(&[-1, 0, 1]).unwrap();
+        let before = predict_pipelined(&prof, &[0.7, 0.2], &tree, 0, Some(0.5));
+        prof.sends_ahead = true;
+        let after = predict_pipelined(&prof, &[0.7, 0.2], &tree, 0, Some(0.5));
+        let round_trip = after.network_ms + after.verify_ms + 0.5;
+        let hit_ms = sent_ahead_hit_ms(after.draft_ms, round_trip, after.network_ms);
+        assert!((after.hit_step_ms.unwrap() - hit_ms).abs() < 1e-9);
+        let want = 0.5 * hit_ms + 0.5 * (round_trip + after.draft_ms);
+        assert!((after.step_ms - want).abs() < 1e-9);
+        assert!(after.step_ms < before.step_ms - 5.0);
     }
 
     #[test]

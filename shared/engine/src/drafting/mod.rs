@@ -89,6 +89,22 @@ impl DraftedTree {
         likeliest_hits(&self.drafted, &self.confidence, &self.runner_up, top, n)
     }
 
+    /// The verdict that ends at node `end` of the tree as drafted (a pipelined candidate's end,
+    /// [`Speculation::candidates`]): its accepted nodes in indices of the tree as sent (root
+    /// excluded) and their tokens. None if `end` is out of range.
+    pub fn path_to_drafted(&self, end: usize) -> Option<(Vec<usize>, Vec<u32>)> {
+        if end >= self.drafted.len() {
+            return None;
+        }
+        let mut sent = Vec::new();
+        let mut tokens = Vec::new();
+        for d in self.drafted.path_to(end).into_iter().skip(1) {
+            sent.push(self.origin.iter().position(|&o| o == Some(d))?);
+            tokens.push(self.drafted_tokens[d]);
+        }
+        Some((sent, tokens))
+    }
+
     /// Nodes 0..forwarded() went through the draft model; 0 for a root-only tree.
     pub fn forwarded(&self) -> usize {
         self.forwarded

@@ -42,6 +42,8 @@ struct Candidate {
     growth: Option<Growth>,
     /// Index among the appended entries of each forwarded node of `growth`.
     slots: Vec<usize>,
+    /// The complete tree was handed to the caller to send ahead.
+    handed_out: bool,
 }
 
 /// How a verdict met the speculation.
@@ -129,6 +131,24 @@ impl DraftSession {
         max_forwards: usize,
         stop: &AtomicBool,
     ) -> Result<Speculation, EngineError> {
+        self.speculate_then(model, drafted, shape, ends, max_forwards, stop, |_, _| {})
+    }
+
+    /// [`speculate`](Self::speculate), handing each candidate's next tree to `complete` as soon
+    /// as it is fully grown: the candidate's end node (as in [`Speculation::candidates`]) and
+    /// the tree exactly as [`grow`](Self::grow) will give it after a verdict that confirms the
+    /// candidate (so it can be sent ahead of that verdict, docs/ALGORITHMS.md §10).
+    #[allow(clippy::too_many_arguments)]
+    pub fn speculate_then(
+        &mut self,
+        model: &Model,
+        drafted: &DraftedTree,
+        shape: &Tree,
+        ends: &[usize],
+        max_forwards: usize,
+        stop: &AtomicBool,
+        mut complete: impl FnMut(usize, DraftedTree),
+    ) -> Result<Speculation, EngineError> {
         let f = drafted.forwarded;
         if f == 0 || shape.len() < 2 || self.ready.is_some() || !self.pending.is_empty() {
             return Ok(Speculation::empty());
@@ -146,6 +166,7 @@ impl DraftSession {
                 copy: None,
                 growth: None,
                 slots: Vec::new(),
+                handed_out: false,
             })
             .collect();
         while spec.forwards < max_forwards && !stop.load(Ordering::Relaxed) {
@@ -245,6 +266,16 @@ impl DraftSession {
                 } else {
                     let g = c.growth.as_mut().expect("expanding a growth");
                     g.add_children(&expand, &logits, first, &self.params, self.wire_top_k);
+                }
+            }
+            for c in spec.candidates.iter_mut().filter(|c| !c.handed_out) {
+                if let Some(g) = c.growth.as_ref().filter(|g| g.to_expand().is_empty()) {
+                    c.handed_out = true;
+                    let mut done = g.clone();
+                    done.forwarded = c.slots.len();
+                    let mut tree = done.into_drafted();
+                    tree.resumed = true;
+                    complete(c.end, tree);
                 }
             }
         }
