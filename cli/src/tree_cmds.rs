@@ -243,6 +243,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
         overhead_ms: 0.5,
         step_extra_ms: 0.0,
         sends_ahead: false,
+        ahead_candidates: 0,
         context: args.context,
         note: format!(
             "target {target_name}, draft {draft_name}, on {device}, threads {}",

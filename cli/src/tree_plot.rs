@@ -178,6 +178,7 @@ mod tests {
             overhead_ms: 0.5,
             step_extra_ms: 0.0,
             sends_ahead: false,
+            ahead_candidates: 0,
             context: 128,
             note: String::new(),
         };

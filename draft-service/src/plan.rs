@@ -216,9 +216,11 @@ pub struct Planner {
     step_extra_ms: Mutex<f64>,
     /// The decode fallback's settings; None = off.
     fallback: Option<FallbackConfig>,
-    /// Pipelined generations send their trees ahead of the verdicts (`pipeline.send_ahead`):
-    /// hit steps are priced accordingly (`cost::sent_ahead_hit_ms`).
+    /// Pipelined generations send their trees ahead of the verdicts (`pipeline.send_ahead`),
+    /// growing them for `pipeline.candidates` verdicts at once: hit steps are priced accordingly
+    /// (`cost::sent_ahead_hit_ms`, `cost::ahead_draft_ms`).
     sends_ahead: bool,
+    ahead_candidates: usize,
 }
 
 impl Planner {
@@ -254,6 +256,7 @@ impl Planner {
             step_extra_ms: Mutex::new(0.0),
             fallback: None,
             sends_ahead: false,
+            ahead_candidates: 0,
         })
     }
 
@@ -263,10 +266,12 @@ impl Planner {
         self
     }
 
-    /// Price pipelined hit steps for trees sent ahead of their verdicts (verify nodes older
-    /// than protocol version 4 take none, and are then priced optimistically).
-    pub fn sending_ahead(mut self, yes: bool) -> Self {
-        self.sends_ahead = yes;
+    /// Price pipelined hit steps for trees grown ahead for `candidates` verdicts at once and,
+    /// with `send_ahead`, sent ahead of their verdicts (verify nodes older than protocol version
+    /// 4 take none, and are then priced optimistically).
+    pub fn pipelining(mut self, candidates: usize, send_ahead: bool) -> Self {
+        self.ahead_candidates = candidates;
+        self.sends_ahead = send_ahead;
         self
     }
 
@@ -510,6 +515,7 @@ impl Planner {
             overhead_ms: 0.5,
             step_extra_ms: self.step_extra_ms(),
             sends_ahead: self.sends_ahead,
+            ahead_candidates: self.ahead_candidates,
             context: self.cfg.profile_context,
             note: String::new(),
         };

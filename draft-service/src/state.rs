@@ -157,7 +157,7 @@ pub fn load_state(config: DraftConfig) -> anyhow::Result<Arc<DraftState>> {
     let planner = Planner::new(&config.tree, config.wire_top_k)
         .map_err(anyhow::Error::msg)?
         .with_fallback(fb)
-        .sending_ahead(config.pipeline.send_ahead);
+        .pipelining(config.pipeline.candidates, config.pipeline.send_ahead);
     let opts = LoadOptions {
         threads: (config.threads > 0).then_some(config.threads),
         cuda: config.cuda,

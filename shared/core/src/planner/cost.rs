@@ -112,6 +112,10 @@ pub struct Profile {
     /// §10, "Trees sent ahead"), so a hit step costs [`sent_ahead_hit_ms`].
     #[serde(default)]
     pub sends_ahead: bool,
+    /// Pipelined drafting: verdicts whose next tree is grown ahead at once (`pipeline.candidates`),
+    /// so a hit's tree costs [`ahead_draft_ms`]; 0 = priced as one tree drafted after a verdict.
+    #[serde(default)]
+    pub ahead_candidates: usize,
     /// Context length the forwards were measured at.
     pub context: usize,
     /// Free-form description (models, machine).
@@ -245,6 +249,19 @@ pub fn tree_draft_ms(draft: &CostCurve, tree: &Tree) -> f64 {
         .sum()
 }
 
+/// Draft time of growing `tree` ahead for `candidates` verdicts at once (§10): one forward over
+/// the candidates' copies of their end nodes (whose logits guess the next root), then one per
+/// level that has children over every candidate's nodes of that level.
+pub fn ahead_draft_ms(draft: &CostCurve, tree: &Tree, candidates: usize) -> f64 {
+    let c = candidates.max(1);
+    let widths = tree.widths();
+    draft.at(c)
+        + widths[..widths.len().saturating_sub(1)]
+            .iter()
+            .map(|&w| draft.at(c * w))
+            .sum::<f64>()
+}
+
 /// Predict the step of `tree` under acceptance `p`, sending `q_entries` q entries per node
 /// (0 at temperature 0).
 pub fn predict(profile: &Profile, p: &[f64], tree: &Tree, q_entries: usize) -> Prediction {
@@ -282,10 +299,15 @@ pub fn predict_pipelined(
     let round_trip = network_ms + verify_ms + profile.overhead_ms;
     // The root alone drafts nothing, so there is nothing to overlap.
     let pipeline_hit = pipeline_hit.filter(|_| tree.len() > 1);
+    // The next tree, grown ahead during the round trip (a hit's).
+    let ahead_ms = match profile.ahead_candidates {
+        0 => draft_ms,
+        c => ahead_draft_ms(&profile.draft, tree, c),
+    };
     let hit_ms = if profile.sends_ahead {
-        sent_ahead_hit_ms(draft_ms, round_trip, network_ms)
+        sent_ahead_hit_ms(ahead_ms, round_trip, network_ms)
     } else {
-        draft_ms.max(round_trip)
+        ahead_ms.max(round_trip)
     };
     let step_ms = profile.step_extra_ms
         + match pipeline_hit {
@@ -293,7 +315,7 @@ pub fn predict_pipelined(
                 let hit = hit_probability(hit);
                 hit * hit_ms + (1.0 - hit) * (round_trip + draft_ms)
             }
-            Some(hit) => pipelined_step_ms(hit, draft_ms, round_trip, draft_ms),
+            Some(hit) => pipelined_step_ms(hit, ahead_ms, round_trip, draft_ms),
             None => draft_ms + round_trip,
         };
     Prediction {
@@ -586,6 +608,7 @@ mod tests {
             overhead_ms: 0.5,
             step_extra_ms: 0.0,
             sends_ahead: false,
+            ahead_candidates: 0,
             context: 256,
             note: String::new(),
         }
@@ -699,6 +722,20 @@ mod tests {
         let want = 0.5 * hit_ms + 0.5 * (round_trip + after.draft_ms);
         assert!((after.step_ms - want).abs() < 1e-9);
         assert!(after.step_ms < before.step_ms - 5.0);
+        // Growing ahead for two verdicts: a forward over both copies, then one per level over
+        // both candidates' nodes, and the hit step is priced with that.
+        let chain = Tree::chain(3);
+        let grown = ahead_draft_ms(&prof.draft, &chain, 2);
+        let d = |w: usize| prof.draft.at(w);
+        assert!((grown - (d(2) + d(2) + d(2))).abs() < 1e-9);
+        prof.ahead_candidates = 2;
+        let wide = predict_pipelined(&prof, &[0.7, 0.2], &chain, 0, Some(1.0));
+        let round_trip = wide.network_ms + wide.verify_ms + 0.5;
+        let want = sent_ahead_hit_ms(grown, round_trip, wide.network_ms);
+        assert!((wide.hit_step_ms.unwrap() - want).abs() < 1e-9);
+        assert!(
+            (wide.draft_ms - tree_draft_ms(&prof.draft, &chain) - 0.7 * 0.7 * d(1)).abs() < 1e-9
+        );
     }
 
     #[test]
