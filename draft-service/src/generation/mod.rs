@@ -167,6 +167,7 @@ async fn generate(
         debug!(
             nodes = shape.len(),
             ahead = hit,
+            sent_ahead = sent.is_some(),
             accepted = emitted.len(),
             caught_up = g.caught_up,
             draft_ms,
