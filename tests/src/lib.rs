@@ -407,6 +407,62 @@ pub async fn within<T>(secs: u64, f: impl std::future::Future<Output = T>) -> T 
         .expect("call hung past its deadline")
 }
 
+/// A `Verifier.Session` on `url`, opened at protocol `version` for `prompt` (its last token is
+/// the first tree's root, so it is not sent) with room for 40 new tokens; returns the request
+/// sender and the response stream after `opened`.
+pub async fn open_session(
+    url: &str,
+    prompt: &[u32],
+    version: u32,
+) -> (
+    tokio::sync::mpsc::Sender<sequoia_proto::v1::SessionRequest>,
+    tonic::Streaming<sequoia_proto::v1::SessionResponse>,
+) {
+    use sequoia_proto::v1 as pb;
+    let mut c = pb::verifier_client::VerifierClient::connect(url.to_string())
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    tx.send(pb::SessionRequest {
+        msg: Some(pb::session_request::Msg::Open(pb::OpenSession {
+            prefix_tokens: prompt[..prompt.len() - 1].to_vec(),
+            max_new_tokens: 40,
+            protocol_version: version,
+            ..Default::default()
+        })),
+    })
+    .await
+    .unwrap();
+    let mut s = c
+        .session(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    match s.message().await.unwrap().unwrap().msg {
+        Some(pb::session_response::Msg::Opened(_)) => {}
+        other => panic!("expected opened, got {other:?}"),
+    }
+    (tx, s)
+}
+
+/// The address of a proxy, run on `rt`, that holds every message to and from the verify node at
+/// `verify_url` for half of `rtt_ms` each way: a verify node that far away.
+pub fn far_away(rt: &tokio::runtime::Runtime, verify_url: &str, rtt_ms: u64) -> String {
+    let upstream = verify_url.trim_start_matches("http://").to_string();
+    let rtt = Duration::from_millis(rtt_ms);
+    let proxy = rt
+        .block_on(sequoia_server::delay_proxy::DelayProxy::bind(
+            "127.0.0.1:0",
+            &upstream,
+            rtt,
+            0.0,
+        ))
+        .expect("bind the delay proxy");
+    let url = format!("http://{}", proxy.local_addr().unwrap());
+    rt.spawn(proxy.run(std::future::pending()));
+    url
+}
+
 /// Target-only greedy decoding from given prompt ids; also returns, at each generated position,
 /// the gap between the best and second-best logit (to recognize near-ties).
 pub fn plain_greedy_ids(

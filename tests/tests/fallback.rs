@@ -8,11 +8,8 @@ use sequoia_core::limits;
 use sequoia_core::sampling::SamplingParams;
 use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_proto::v1 as pb;
-use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::GenerateRequest;
 use sequoia_tests::*;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
 const PROMPTS: [&str; 3] = [
@@ -252,17 +249,6 @@ fn stop_strings_and_max_tokens_cut_a_decode_exactly() {
     assert!(stopped.tokens.iter().zip(&want).all(|(a, b)| a == b));
 }
 
-fn open(prefix: Vec<u32>, version: u32) -> pb::SessionRequest {
-    pb::SessionRequest {
-        msg: Some(pb::session_request::Msg::Open(pb::OpenSession {
-            prefix_tokens: prefix,
-            max_new_tokens: 40,
-            protocol_version: version,
-            ..Default::default()
-        })),
-    }
-}
-
 fn decode_msg(step: u64, root: u32, max_tokens: u32, per_message: u32) -> pb::SessionRequest {
     pb::SessionRequest {
         msg: Some(pb::session_request::Msg::Decode(pb::DecodeTokens {
@@ -272,32 +258,6 @@ fn decode_msg(step: u64, root: u32, max_tokens: u32, per_message: u32) -> pb::Se
             tokens_per_message: per_message,
         })),
     }
-}
-
-/// Open a session on `url` at `version` and send `decode`; returns the stream after `opened`.
-async fn session_with(
-    url: &str,
-    prompt: &[u32],
-    version: u32,
-) -> (
-    mpsc::Sender<pb::SessionRequest>,
-    tonic::Streaming<pb::SessionResponse>,
-) {
-    let mut c = VerifierClient::connect(url.to_string()).await.unwrap();
-    let (tx, rx) = mpsc::channel(4);
-    tx.send(open(prompt[..prompt.len() - 1].to_vec(), version))
-        .await
-        .unwrap();
-    let mut s = c
-        .session(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    match s.message().await.unwrap().unwrap().msg {
-        Some(pb::session_response::Msg::Opened(_)) => {}
-        other => panic!("expected opened, got {other:?}"),
-    }
-    (tx, s)
 }
 
 #[test]
@@ -312,7 +272,7 @@ fn verify_node_decodes_on_the_wire_and_refuses_malformed_decodes() {
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(within(120, async {
         // A good decode: 8 tokens, 3 per message, numbered as steps, the last one `done`.
-        let (tx, mut s) = session_with(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
+        let (tx, mut s) = open_session(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
         tx.send(decode_msg(0, root, 8, 3)).await.unwrap();
         let mut got = Vec::new();
         let mut sizes = Vec::new();
@@ -360,14 +320,14 @@ fn verify_node_decodes_on_the_wire_and_refuses_malformed_decodes() {
             (decode_msg(0, vocab + 5, 4, 1), "decode.root"),
             (decode_msg(3, root, 4, 1), "decode.step"),
         ] {
-            let (tx, mut s) = session_with(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
+            let (tx, mut s) = open_session(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
             tx.send(msg).await.unwrap();
             let err = s.message().await.unwrap_err();
             assert_eq!(err.code(), Code::InvalidArgument, "{field}: {err:?}");
             assert!(err.message().contains(field), "{field}: {err:?}");
         }
         // A session opened at an older version may not decode.
-        let (tx, mut s) = session_with(&verify.url(), &prompt, 2).await;
+        let (tx, mut s) = open_session(&verify.url(), &prompt, 2).await;
         tx.send(decode_msg(0, root, 4, 1)).await.unwrap();
         let err = s.message().await.unwrap_err();
         assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");

@@ -4,7 +4,6 @@
 
 use sequoia_core::sampling::SamplingParams;
 use sequoia_proto::v1::GenerateRequest;
-use sequoia_server::delay_proxy::DelayProxy;
 use sequoia_tests::*;
 
 const PROMPTS: [&str; 3] = [
@@ -195,13 +194,7 @@ fn the_first_tree_grows_during_the_verify_prefill_without_changing_the_output() 
     let pair = TinyPair::new();
     let verify = start_verify(verify_config(&pair.target));
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let upstream = verify.url().trim_start_matches("http://").to_string();
-    let rtt = std::time::Duration::from_millis(300);
-    let proxy = rt
-        .block_on(DelayProxy::bind("127.0.0.1:0", &upstream, rtt, 0.0))
-        .expect("bind the delay proxy");
-    let slow = format!("http://{}", proxy.local_addr().unwrap());
-    rt.spawn(proxy.run(std::future::pending()));
+    let slow = far_away(&rt, &verify.url(), 300);
     let draft = start_draft(draft_config(&pair.draft, &[slow], 8, 4));
     let run = |req: GenerateRequest| {
         rt.block_on(within(120, generate(&draft.url(), req)))

@@ -8,12 +8,8 @@
 use sequoia_core::limits;
 use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_proto::v1 as pb;
-use sequoia_proto::v1::verifier_client::VerifierClient;
 use sequoia_proto::v1::GenerateRequest;
-use sequoia_server::delay_proxy::DelayProxy;
 use sequoia_tests::*;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
 
 const PROMPTS: [&str; 3] = [
@@ -37,39 +33,6 @@ fn chain(step: u64, tokens: Vec<u32>, assumes: Option<Vec<u32>>) -> pb::SessionR
     }
 }
 
-/// Open a greedy session on `url` at protocol `version`; returns the stream after `opened`.
-async fn session(
-    url: &str,
-    prompt: &[u32],
-    version: u32,
-) -> (
-    mpsc::Sender<pb::SessionRequest>,
-    tonic::Streaming<pb::SessionResponse>,
-) {
-    let mut c = VerifierClient::connect(url.to_string()).await.unwrap();
-    let (tx, rx) = mpsc::channel(8);
-    tx.send(pb::SessionRequest {
-        msg: Some(pb::session_request::Msg::Open(pb::OpenSession {
-            prefix_tokens: prompt[..prompt.len() - 1].to_vec(),
-            max_new_tokens: 40,
-            protocol_version: version,
-            ..Default::default()
-        })),
-    })
-    .await
-    .unwrap();
-    let mut s = c
-        .session(ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    match s.message().await.unwrap().unwrap().msg {
-        Some(pb::session_response::Msg::Opened(_)) => {}
-        other => panic!("expected opened, got {other:?}"),
-    }
-    (tx, s)
-}
-
 async fn verdict(s: &mut tonic::Streaming<pb::SessionResponse>) -> pb::Verdict {
     match s.message().await.unwrap().unwrap().msg {
         Some(pb::session_response::Msg::Verdict(v)) => v,
@@ -90,7 +53,7 @@ fn the_verify_node_takes_the_tree_whose_assumption_held_and_drops_the_rest() {
     let other = (want[1] + 1) % vocab;
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(within(120, async {
-        let (tx, mut s) = session(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
+        let (tx, mut s) = open_session(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
         // Step 0 commits want[0] and draws want[1]. Sent before its verdict: a tree for another
         // next token (dropped), the right one (taken), the right one again (its step is done by
         // then: dropped), and one assuming another path (dropped).
@@ -131,7 +94,7 @@ fn the_verify_node_takes_the_tree_whose_assumption_held_and_drops_the_rest() {
         assert_eq!(verdict(&mut s).await.step, 3);
 
         // A tree sent ahead for a step beyond the next is a protocol error.
-        let (tx, mut s) = session(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
+        let (tx, mut s) = open_session(&verify.url(), &prompt, limits::PROTOCOL_VERSION).await;
         tx.send(chain(1, vec![want[0]], Some(vec![])))
             .await
             .unwrap();
@@ -140,7 +103,8 @@ fn the_verify_node_takes_the_tree_whose_assumption_held_and_drops_the_rest() {
         assert!(err.message().contains("tree.step"), "{err:?}");
 
         // A session at an older protocol version may not send trees ahead.
-        let (tx, mut s) = session(&verify.url(), &prompt, limits::AHEAD_PROTOCOL_VERSION - 1).await;
+        let (tx, mut s) =
+            open_session(&verify.url(), &prompt, limits::AHEAD_PROTOCOL_VERSION - 1).await;
         tx.send(chain(0, vec![root, want[0]], None)).await.unwrap();
         tx.send(chain(1, vec![want[1], want[2]], Some(vec![1])))
             .await
@@ -165,13 +129,7 @@ fn trees_sent_ahead_change_no_output() {
     let verify = start_verify(verify_config(&pair.target));
     let rt = tokio::runtime::Runtime::new().unwrap();
     // 40 ms of round trip: the tiny draft grows the next trees long before a verdict is back.
-    let upstream = verify.url().trim_start_matches("http://").to_string();
-    let rtt = std::time::Duration::from_millis(40);
-    let proxy = rt
-        .block_on(DelayProxy::bind("127.0.0.1:0", &upstream, rtt, 0.0))
-        .expect("bind the delay proxy");
-    let far = format!("http://{}", proxy.local_addr().unwrap());
-    rt.spawn(proxy.run(std::future::pending()));
+    let far = far_away(&rt, &verify.url(), 40);
     let draft_with = |send_ahead: bool| {
         let mut config = draft_config(&pair.draft, std::slice::from_ref(&far), 8, 4);
         config.pipeline.send_ahead = send_ahead;
