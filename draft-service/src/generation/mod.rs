@@ -870,9 +870,24 @@ impl<'a> Generation<'a> {
         let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
         let followed = match ahead {
             None => draft.commit(drafted, &accepted).map(|()| None),
-            Some(spec) => draft
-                .commit_speculated(drafted, &accepted, verdict.next_token, spec)
-                .map(Some),
+            Some(spec) => {
+                // Which guesses were grown, against the verdict (the log says how misses miss:
+                // at another end node, or at a grown end with another token).
+                let (_, path) = drafted.drafted_path(&accepted);
+                let end = path.last().copied().unwrap_or(0);
+                let grown = spec.candidates();
+                debug!(
+                    end,
+                    next = verdict.next_token,
+                    end_grown = grown.iter().any(|&(e, _)| e == end),
+                    hit = grown.contains(&(end, Some(verdict.next_token))),
+                    candidates = ?grown,
+                    "speculation"
+                );
+                draft
+                    .commit_speculated(drafted, &accepted, verdict.next_token, spec)
+                    .map(Some)
+            }
         };
         let outcome = followed
             .map_err(|e| Status::internal(format!("verify node {}: {e}", self.link.addr())))?;
