@@ -200,11 +200,7 @@ impl VerifySession {
                 step == self.next_step
                     && last + 1 == step
                     && Some(*next) == root
-                    && acc.len() == accepted.len()
-                    && acc
-                        .iter()
-                        .zip(accepted)
-                        .all(|(&a, &b)| a as u64 == b as u64)
+                    && acc.iter().copied().eq(accepted.iter().map(|&v| v as usize))
             }
             None => false,
         }

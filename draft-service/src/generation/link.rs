@@ -283,10 +283,10 @@ struct Link {
     opened: SessionOpened,
     /// The protocol version this session runs.
     version: u32,
-    /// Trees sent ahead of the verdict now awaited; and the one the latest verdict confirmed,
-    /// which the node verifies next without being sent it again.
+    /// Trees sent ahead of the verdict now awaited; and the shape (parents) of the one the
+    /// latest verdict confirmed, which the node verifies next without being sent it again.
     ahead: Vec<AheadTree>,
-    in_flight: Option<AheadTree>,
+    in_flight: Option<Vec<i32>>,
     ahead_sent: u32,
 }
 
@@ -405,12 +405,11 @@ impl Link {
                 self.send(session_request::Msg::Tree(tree)).await?;
                 parents
             }
-            None => match self.in_flight.take() {
-                Some(t) => t.message.parents,
-                None => return Err(Status::internal("no tree sent ahead is being verified")),
-            },
+            None => self
+                .in_flight
+                .take()
+                .ok_or_else(|| Status::internal("no tree sent ahead is being verified"))?,
         };
-        self.ahead.clear();
         let takes_ahead = self.version >= AHEAD_PROTOCOL_VERSION;
         let response = loop {
             tokio::select! {
@@ -446,7 +445,7 @@ impl Link {
         let taken = std::mem::take(&mut self.ahead)
             .into_iter()
             .find(|t| t.assumed(&verdict));
-        self.in_flight = taken.clone();
+        self.in_flight = taken.as_ref().map(|t| t.message.parents.clone());
         Ok((verdict, taken))
     }
 

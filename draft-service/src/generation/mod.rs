@@ -119,9 +119,7 @@ async fn generate(
             break FinishReason::Context;
         }
         g.maybe_replan()?;
-        // A tree sent ahead that the last verdict confirmed is being verified already: its
-        // verdict comes next, whatever the plan now says.
-        if let Some(k) = g.decode_size(room).filter(|_| g.in_flight.is_none()) {
+        if let Some(k) = g.decode_size(room) {
             // No tree pays: the verify node decodes on its own (the decode fallback).
             let (back, delivered) = g.decode(draft, k, &mut out, tx).await?;
             draft = back;
@@ -474,7 +472,9 @@ impl<'a> Generation<'a> {
     /// it, the request forces no tree, and this step is not a probe.
     fn decode_size(&self, room: usize) -> Option<usize> {
         let k = self.plan.decode_tokens?;
-        if self.prep.forced_tree.is_some() || !self.link.can_decode() {
+        // A tree sent ahead that the last verdict confirmed is being verified already: its
+        // verdict comes next, whatever the plan now says.
+        if self.prep.forced_tree.is_some() || !self.link.can_decode() || self.in_flight.is_some() {
             return None;
         }
         if self.next_shape(room).len() != 1 {
@@ -834,11 +834,16 @@ impl<'a> Generation<'a> {
         });
         let ahead = tokio::task::spawn_blocking(move || {
             let t0 = Instant::now();
-            let spec = draft.speculate_then(&model, &tree, &next, &ends, max, &flag, |end, t| {
+            let mut send = |end, t| {
                 if let Some(message) = rules.as_ref().and_then(|r| r.message(&tree, end, t)) {
                     let _ = ahead_tx.send(message);
                 }
-            });
+            };
+            let send: Option<&mut dyn FnMut(usize, DraftedTree)> = match &rules {
+                Some(_) => Some(&mut send),
+                None => None,
+            };
+            let spec = draft.speculate(&model, &tree, &next, &ends, max, &flag, send);
             (draft, spec, t0.elapsed())
         });
         let verdict = self.verify(drafted, sent, Some(&mut ahead_rx)).await;
@@ -868,20 +873,22 @@ impl<'a> Generation<'a> {
         ahead: Option<Speculation>,
     ) -> Result<Vec<u32>, Status> {
         let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
+        // The path through the tree the draft grew: what its statistics count (lookup nodes are
+        // counted apart), and where a pipelined step's verdict ended.
+        let (grown, path) = drafted.drafted_path(&accepted);
         let followed = match ahead {
             None => draft.commit(drafted, &accepted).map(|()| None),
             Some(spec) => {
-                // Which guesses were grown, against the verdict (the log says how misses miss:
-                // at another end node, or at a grown end with another token).
-                let (_, path) = drafted.drafted_path(&accepted);
+                // How the verdict met the guesses grown ahead (how misses miss: at another end
+                // node, or at a grown end with another token). The fields are only computed
+                // when the line is logged.
                 let end = path.last().copied().unwrap_or(0);
-                let grown = spec.candidates();
                 debug!(
                     end,
                     next = verdict.next_token,
-                    end_grown = grown.iter().any(|&(e, _)| e == end),
-                    hit = grown.contains(&(end, Some(verdict.next_token))),
-                    candidates = ?grown,
+                    end_grown = spec.candidates().iter().any(|&(e, _)| e == end),
+                    hit = spec.candidates().contains(&(end, Some(verdict.next_token))),
+                    candidates = ?spec.candidates(),
                     "speculation"
                 );
                 draft
@@ -897,9 +904,7 @@ impl<'a> Generation<'a> {
                 "a tree sent ahead was confirmed but the draft did not keep its growth",
             ));
         }
-        // The draft's statistics count the tree it grew; lookup nodes are counted apart.
         let ranks = verdict.accepted_ranks.iter().map(|&r| r as usize);
-        let (grown, path) = drafted.drafted_path(&accepted);
         self.counts
             .record_step(grown, &path, ranks, accepted.len() + 1);
         self.lookup_accepted += accepted.iter().filter(|&&v| drafted.is_lookup(v)).count() as u64;

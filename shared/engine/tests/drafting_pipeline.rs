@@ -69,14 +69,14 @@ fn run_case(
     let stop = AtomicBool::new(false);
     let mut handed = Vec::new();
     let spec = piped
-        .speculate_then(
+        .speculate(
             model,
             &b,
             shape,
             &candidates,
             max_forwards,
             &stop,
-            |end, t| handed.push((end, t)),
+            Some(&mut |end, t| handed.push((end, t))),
         )
         .unwrap();
     // Trees are handed out complete, once each, for candidates only; with forwards to spare,
@@ -204,7 +204,9 @@ fn decoded_tokens_leave_the_drafter_where_a_prefill_would() {
             let (accepted, next) = if ahead {
                 let ends = a.likeliest_ends(&[0.6, 0.2, 0.1], 2);
                 let stop = AtomicBool::new(false);
-                let spec = d.speculate(&model, &a, &shape, &ends, 100, &stop).unwrap();
+                let spec = d
+                    .speculate(&model, &a, &shape, &ends, 100, &stop, None)
+                    .unwrap();
                 let (end, next) = guessed(&spec.candidates(), 0);
                 let accepted = path_to(&a.tree, end);
                 let outcome = d.commit_speculated(&a, &accepted, next, spec).unwrap();
@@ -361,8 +363,16 @@ fn growth_ahead_stopped_at_any_moment_continues_exactly() {
         let a = d.grow(&model, root, &shape).unwrap();
         let ends = a.likeliest_ends(&[0.6, 0.2, 0.1], 2);
         let t0 = std::time::Instant::now();
-        d.speculate(&model, &a, &shape, &ends, 100, &AtomicBool::new(false))
-            .unwrap();
+        d.speculate(
+            &model,
+            &a,
+            &shape,
+            &ends,
+            100,
+            &AtomicBool::new(false),
+            None,
+        )
+        .unwrap();
         t0.elapsed()
     };
     let mut hits = 0;
@@ -376,7 +386,8 @@ fn growth_ahead_stopped_at_any_moment_continues_exactly() {
             let ends = b.likeliest_ends(&[0.6, 0.2, 0.1], 2);
             let stop = AtomicBool::new(false);
             let spec = std::thread::scope(|s| {
-                let grower = s.spawn(|| piped.speculate(&model, &b, &shape, &ends, 100, &stop));
+                let grower =
+                    s.spawn(|| piped.speculate(&model, &b, &shape, &ends, 100, &stop, None));
                 std::thread::sleep(full * i / 20);
                 stop.store(true, std::sync::atomic::Ordering::Relaxed);
                 grower.join().unwrap().unwrap()

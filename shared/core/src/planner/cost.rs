@@ -201,8 +201,18 @@ pub fn pipeline_hit_rate(hits: u32, misses: u32) -> f64 {
 /// step = hit · max(t_draft_next, round_trip) + (1 − hit) · (round_trip + t_draft)
 /// ```
 pub fn pipelined_step_ms(hit: f64, draft_next_ms: f64, round_trip_ms: f64, draft_ms: f64) -> f64 {
+    expected_step_ms(
+        hit,
+        draft_next_ms.max(round_trip_ms),
+        round_trip_ms + draft_ms,
+    )
+}
+
+/// The step time expected at hit probability `hit` (clamped as [`hit_probability`] does) from
+/// the time of a hit step and of a miss step.
+fn expected_step_ms(hit: f64, hit_ms: f64, miss_ms: f64) -> f64 {
     let hit = hit_probability(hit);
-    hit * draft_next_ms.max(round_trip_ms) + (1.0 - hit) * (round_trip_ms + draft_ms)
+    hit * hit_ms + (1.0 - hit) * miss_ms
 }
 
 /// A hit step's time when the next tree goes to the verify node as soon as it is grown, ahead
@@ -242,10 +252,15 @@ fn hit_probability(hit: f64) -> f64 {
 /// Draft time of growing `tree` from a root the draft has already run: one forward per level
 /// that has children, over that level's nodes (the last level is sampled, not forwarded).
 pub fn tree_draft_ms(draft: &CostCurve, tree: &Tree) -> f64 {
+    levels_draft_ms(draft, tree, 1)
+}
+
+/// One draft forward per level of `tree` that has children, over `copies` times its nodes.
+fn levels_draft_ms(draft: &CostCurve, tree: &Tree, copies: usize) -> f64 {
     let widths = tree.widths();
     widths[..widths.len().saturating_sub(1)]
         .iter()
-        .map(|&w| draft.at(w))
+        .map(|&w| draft.at(copies * w))
         .sum()
 }
 
@@ -254,12 +269,7 @@ pub fn tree_draft_ms(draft: &CostCurve, tree: &Tree) -> f64 {
 /// level that has children over every candidate's nodes of that level.
 pub fn ahead_draft_ms(draft: &CostCurve, tree: &Tree, candidates: usize) -> f64 {
     let c = candidates.max(1);
-    let widths = tree.widths();
-    draft.at(c)
-        + widths[..widths.len().saturating_sub(1)]
-            .iter()
-            .map(|&w| draft.at(c * w))
-            .sum::<f64>()
+    draft.at(c) + levels_draft_ms(draft, tree, c)
 }
 
 /// Predict the step of `tree` under acceptance `p`, sending `q_entries` q entries per node
@@ -311,11 +321,8 @@ pub fn predict_pipelined(
     };
     let step_ms = profile.step_extra_ms
         + match pipeline_hit {
-            Some(hit) if profile.sends_ahead => {
-                let hit = hit_probability(hit);
-                hit * hit_ms + (1.0 - hit) * (round_trip + draft_ms)
-            }
-            Some(hit) => pipelined_step_ms(hit, ahead_ms, round_trip, draft_ms),
+            // Without sending ahead, `hit_ms` is `pipelined_step_ms`'s max(draft_next, round_trip).
+            Some(hit) => expected_step_ms(hit, hit_ms, round_trip + draft_ms),
             None => draft_ms + round_trip,
         };
     Prediction {

@@ -122,6 +122,12 @@ impl DraftSession {
     /// between its layers, where it drops the level in progress; the verdict's arrival sets it)
     /// or `max_forwards` forwards ran. Call right after `grow` returned `drafted`, before its
     /// commit. Stops early, with what it has, when the cache has no room.
+    ///
+    /// `complete`, if given, receives each candidate's next tree as soon as it is fully grown:
+    /// the candidate's end node (as in [`Speculation::candidates`]) and the tree exactly as
+    /// [`grow`](Self::grow) will give it after a verdict that confirms the candidate (so it can
+    /// be sent ahead of that verdict, docs/ALGORITHMS.md §10). Without it no tree is built.
+    #[allow(clippy::too_many_arguments)]
     pub fn speculate(
         &mut self,
         model: &Model,
@@ -130,24 +136,7 @@ impl DraftSession {
         ends: &[usize],
         max_forwards: usize,
         stop: &AtomicBool,
-    ) -> Result<Speculation, EngineError> {
-        self.speculate_then(model, drafted, shape, ends, max_forwards, stop, |_, _| {})
-    }
-
-    /// [`speculate`](Self::speculate), handing each candidate's next tree to `complete` as soon
-    /// as it is fully grown: the candidate's end node (as in [`Speculation::candidates`]) and
-    /// the tree exactly as [`grow`](Self::grow) will give it after a verdict that confirms the
-    /// candidate (so it can be sent ahead of that verdict, docs/ALGORITHMS.md §10).
-    #[allow(clippy::too_many_arguments)]
-    pub fn speculate_then(
-        &mut self,
-        model: &Model,
-        drafted: &DraftedTree,
-        shape: &Tree,
-        ends: &[usize],
-        max_forwards: usize,
-        stop: &AtomicBool,
-        mut complete: impl FnMut(usize, DraftedTree),
+        mut complete: Option<&mut dyn FnMut(usize, DraftedTree)>,
     ) -> Result<Speculation, EngineError> {
         let f = drafted.forwarded;
         if f == 0 || shape.len() < 2 || self.ready.is_some() || !self.pending.is_empty() {
@@ -268,6 +257,9 @@ impl DraftSession {
                     g.add_children(&expand, &logits, first, &self.params, self.wire_top_k);
                 }
             }
+            let Some(complete) = complete.as_mut() else {
+                continue;
+            };
             for c in spec.candidates.iter_mut().filter(|c| !c.handed_out) {
                 if let Some(g) = c.growth.as_ref().filter(|g| g.to_expand().is_empty()) {
                     c.handed_out = true;
