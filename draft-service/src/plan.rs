@@ -12,7 +12,7 @@ use sequoia_core::planner::cost::{
     Prediction, Profile,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
-use sequoia_core::stats::RankCounts;
+use sequoia_core::stats::{AcceptanceSpread, RankCounts};
 use sequoia_core::tree::Tree;
 use sequoia_core::types::TreeMode;
 use sequoia_engine::profiling;
@@ -25,11 +25,18 @@ use tonic::Status;
 /// Weight of the configured acceptance vector in the running estimate, in pseudo-trials.
 const PRIOR_TRIALS: f64 = 20.0;
 
-/// Weight of the node-wide estimate in a generation's own, in pseudo-trials: after about this
-/// many verdicts at a rank, a generation's own acceptance counts as much as everyone's. Tasks
-/// differ (two-host bench, T = 0: 2.1 tokens per step for role-play and translation, 4.3 for
-/// math with the same trees), and one prompt's text is most like its own continuation.
+/// Weight of the node-wide estimate in a generation's own, in pseudo-trials, until the node has
+/// seen enough generations to measure how much they differ: after about this many verdicts at
+/// a rank, a generation's own acceptance counts as much as everyone's. Tasks differ (two-host
+/// bench, T = 0: 2.1 tokens per step for role-play and translation, 4.3 for math with the same
+/// trees), and one prompt's text is most like its own continuation.
 const OWN_PRIOR_TRIALS: f64 = 16.0;
+
+/// Bounds of the weight measured from the spread between generations
+/// ([`AcceptanceSpread::prior_trials`]): never so light that two verdicts decide a plan, never
+/// so heavy that a prompt unlike the rest keeps the node's trees for most of a short answer.
+const OWN_PRIOR_TRIALS_MIN: f64 = 4.0;
+const OWN_PRIOR_TRIALS_MAX: f64 = 32.0;
 
 /// Standard errors added to the acceptance estimate when deciding whether probing could pay.
 const PROBE_CONFIDENCE_Z: f64 = 2.0;
@@ -210,6 +217,10 @@ pub struct Planner {
     draft_curve: Mutex<Option<CostCurve>>,
     greedy: Mutex<RankCounts>,
     sampled: Mutex<RankCounts>,
+    /// How much finished generations' first-rank acceptance differed, greedy and sampled: the
+    /// weight of the node-wide estimate in a generation's own.
+    greedy_spread: Mutex<AcceptanceSpread>,
+    sampled_spread: Mutex<AcceptanceSpread>,
     drift: Mutex<Drift>,
     /// Learned per tree step: the draft side's time the cost model has no term for
     /// (`Profile::step_extra_ms`).
@@ -248,6 +259,8 @@ impl Planner {
             draft_curve: Mutex::new(None),
             greedy: Mutex::new(RankCounts::default()),
             sampled: Mutex::new(RankCounts::default()),
+            greedy_spread: Mutex::new(AcceptanceSpread::default()),
+            sampled_spread: Mutex::new(AcceptanceSpread::default()),
             drift: Mutex::new(Drift {
                 verify_one: 1.0,
                 verify_tree: 1.0,
@@ -363,6 +376,29 @@ impl Planner {
         self.counts(greedy).lock().unwrap().add(counts);
     }
 
+    fn spread(&self, greedy: bool) -> &Mutex<AcceptanceSpread> {
+        if greedy {
+            &self.greedy_spread
+        } else {
+            &self.sampled_spread
+        }
+    }
+
+    /// A generation ended with `own` verdicts (all of its own): they join the spread that
+    /// weighs the node-wide estimate against the next generations' own.
+    pub fn observe_generation(&self, greedy: bool, own: &RankCounts) {
+        self.spread(greedy).lock().unwrap().record(own);
+    }
+
+    /// The node-wide estimate's weight in a generation's own, in pseudo-trials.
+    pub fn own_prior_trials(&self, greedy: bool) -> f64 {
+        self.spread(greedy).lock().unwrap().prior_trials(
+            OWN_PRIOR_TRIALS,
+            OWN_PRIOR_TRIALS_MIN,
+            OWN_PRIOR_TRIALS_MAX,
+        )
+    }
+
     /// Fold a verify time the node reported into a verify drift factor: `forwards` forwards
     /// of `rows` rows each (a tree: one forward of its batch's rows; a decode message: one
     /// forward per token) took `observed_ms`, against the profile's t_v(rows) per forward.
@@ -437,8 +473,8 @@ impl Planner {
 
     /// The current drift factors (verify of one row, verify of several, draft): observed over
     /// profiled times, smoothed.
-    #[cfg(test)]
-    fn drift(&self) -> (f64, f64, f64) {
+    /// The drift factors (observed over profiled): single-row verifies, tree verifies, drafts.
+    pub fn drift(&self) -> (f64, f64, f64) {
         let d = *self.drift.lock().unwrap();
         (d.verify_one, d.verify_tree, d.draft)
     }
@@ -454,7 +490,7 @@ impl Planner {
     /// `can_decode`: the verify node takes the decode fallback (and it is configured on), so
     /// "no speculation" costs one round trip per decode rather than one per token.
     /// `own`: the generation's verdicts so far, blended into the node-wide acceptance estimate
-    /// (see [`OWN_PRIOR_TRIALS`]). They are already folded into the node-wide counts, so those
+    /// (weighed by [`Self::own_prior_trials`]). They are already folded into the node-wide counts, so those
     /// are taken without them here: a generation's verdicts count once.
     pub fn plan(
         &self,
@@ -471,7 +507,7 @@ impl Planner {
             .unwrap()
             .since(own)
             .estimate(&self.cfg.acceptance, PRIOR_TRIALS);
-        let p = own.estimate(&others, OWN_PRIOR_TRIALS);
+        let p = own.estimate(&others, self.own_prior_trials(greedy));
         let fallback = self.fallback.as_ref().filter(|_| can_decode);
         let (Some(costs), true) = (costs, self.auto) else {
             let mut plan =

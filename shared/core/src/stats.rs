@@ -198,6 +198,87 @@ pub fn normalized_acceptance(mut p: Vec<f64>) -> Vec<f64> {
     p
 }
 
+/// How far the first-rank acceptance of single generations spreads around the node's mean, and
+/// so how much a generation's own verdicts should count against everyone's (docs/ALGORITHMS.md
+/// §6, "How much a generation's own verdicts count"). Prompts differ: a translation's draft may
+/// be accepted half as often as a math answer's, and a short answer is over before a fixed,
+/// heavy prior lets its own verdicts speak. The weight is the beta-binomial method of moments:
+/// a node-wide prior Beta(k·m, k·(1 − m)) whose spread matches the spread between generations
+/// has k = m(1 − m)/τ² − 1, where τ² is the variance of the generations' rates less the
+/// binomial noise their trial counts explain.
+#[derive(Debug, Clone, Default)]
+pub struct AcceptanceSpread {
+    /// (accepted, trials) at rank 1 of recent finished generations, oldest first.
+    recent: std::collections::VecDeque<(u64, u64)>,
+}
+
+impl AcceptanceSpread {
+    /// Generations remembered.
+    pub const KEEP: usize = 64;
+    /// First-rank trials a generation needs to be counted (fewer say little about its rate).
+    pub const MIN_TRIALS: u64 = 8;
+    /// Generations needed before the spread replaces the default weight.
+    pub const MIN_GENERATIONS: usize = 5;
+
+    /// Remember a finished generation's counts (ignored below [`Self::MIN_TRIALS`]).
+    pub fn record(&mut self, own: &RankCounts) {
+        let (a, t) = (
+            own.accepted.first().copied().unwrap_or(0),
+            own.trials.first().copied().unwrap_or(0),
+        );
+        if t < Self::MIN_TRIALS {
+            return;
+        }
+        if self.recent.len() == Self::KEEP {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((a.min(t), t));
+    }
+
+    /// Generations remembered.
+    pub fn len(&self) -> usize {
+        self.recent.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.recent.is_empty()
+    }
+
+    /// The node-wide estimate's weight in pseudo-trials, within `min..=max`: `default` until
+    /// [`Self::MIN_GENERATIONS`] generations are remembered; `max` when the rates spread no
+    /// more than their trial counts explain (all prompts alike), and smaller the more they do.
+    pub fn prior_trials(&self, default: f64, min: f64, max: f64) -> f64 {
+        let n = self.recent.len();
+        if n < Self::MIN_GENERATIONS {
+            return default.clamp(min, max);
+        }
+        let (acc, tri) = self
+            .recent
+            .iter()
+            .fold((0u64, 0u64), |(a, t), &(x, y)| (a + x, t + y));
+        let m = acc as f64 / tri as f64;
+        let binomial = m * (1.0 - m);
+        if binomial <= 0.0 {
+            // Every draft accepted (or none): nothing to tell prompts apart by.
+            return max;
+        }
+        let spread = self
+            .recent
+            .iter()
+            .map(|&(a, t)| (a as f64 / t as f64 - m).powi(2))
+            .sum::<f64>()
+            / (n - 1) as f64;
+        let noise = binomial
+            * self.recent.iter().map(|&(_, t)| 1.0 / t as f64).sum::<f64>()
+            / n as f64;
+        let between = spread - noise;
+        if between <= binomial / (max + 1.0) {
+            return max;
+        }
+        (binomial / between - 1.0).clamp(min, max)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,5 +336,42 @@ mod tests {
         let p = c.acceptance_vector(2);
         assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-12);
         assert!(p[0] > p[1]);
+    }
+
+    #[test]
+    fn spread_weight_follows_how_much_generations_differ() {
+        let gen = |a: u64, t: u64| RankCounts::new(vec![a], vec![t]);
+        let mut alike = AcceptanceSpread::default();
+        let mut apart = AcceptanceSpread::default();
+        assert_eq!(alike.prior_trials(16.0, 4.0, 32.0), 16.0, "default before any data");
+        // Alike: every generation near 0.8 at 100 trials (binomial noise only).
+        for a in [79, 81, 80, 78, 82, 80, 81, 79] {
+            alike.record(&gen(a, 100));
+        }
+        // Apart: 0.4 to 0.95, as translation against math.
+        for a in [40, 95, 60, 90, 50, 85, 45, 92] {
+            apart.record(&gen(a, 100));
+        }
+        let (k_alike, k_apart) = (
+            alike.prior_trials(16.0, 4.0, 32.0),
+            apart.prior_trials(16.0, 4.0, 32.0),
+        );
+        assert_eq!(k_alike, 32.0, "alike generations: the node-wide estimate weighs most");
+        // Rates 0.4..0.95 around m ≈ 0.71: τ² ≈ 0.048, so k ≈ 0.21 / 0.048 − 1 ≈ 3.3 → 4.
+        assert!(k_apart < 6.0, "{k_apart}");
+        // Too few trials to count, and too few generations for a spread.
+        let mut few = AcceptanceSpread::default();
+        few.record(&gen(1, 3));
+        assert!(few.is_empty());
+        for a in [40, 95, 60, 90] {
+            few.record(&gen(a, 100));
+        }
+        assert_eq!(few.prior_trials(16.0, 4.0, 32.0), 16.0);
+        // Only the latest KEEP are remembered.
+        for _ in 0..AcceptanceSpread::KEEP {
+            apart.record(&gen(80, 100));
+        }
+        assert_eq!(apart.len(), AcceptanceSpread::KEEP);
+        assert_eq!(apart.prior_trials(16.0, 4.0, 32.0), 32.0, "the spread forgot the old ones");
     }
 }

@@ -1,6 +1,6 @@
 //! Measuring the costs the planner needs on the machine at hand: target forward time over trees
 //! of n nodes, t_v(n), and draft forward time over one level of w nodes, t_d(w), each at a
-//! working context length (median of repeats). The verify node runs the first (`Profile` RPC),
+//! working context length (the fastest of a few repeats). The verify node runs the first (`Profile` RPC),
 //! the draft node the second; `sequoia tree profile` runs both locally.
 
 use crate::{EngineError, Model};
@@ -75,13 +75,16 @@ pub fn measure_forward_while(
             cache.truncate(context);
         }
     }
+    // The fastest of the repeats: the work is the same every time, so anything slower was
+    // slowed from outside (other tenants, the memory bus). A median of three forwards was
+    // itself off by up to 25 % here (t(1) of 84, 105 and 92 ms in three back-to-back profiles
+    // on one core of a shared host), and a t_v(1) priced 25 % high makes every tree look 25 %
+    // better against plain decoding than it is. What runs slower than this in service the
+    // planner's drift factors learn (docs/ALGORITHMS.md §5.4).
     Ok(Some(
         times
             .into_iter()
-            .map(|mut t| {
-                t.sort_by(f64::total_cmp);
-                t[t.len() / 2]
-            })
+            .map(|t| t.into_iter().fold(f64::INFINITY, f64::min))
             .collect(),
     ))
 }
