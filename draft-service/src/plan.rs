@@ -781,6 +781,39 @@ mod tests {
         );
     }
 
+    #[test]
+    fn own_verdicts_count_more_where_generations_have_differed() {
+        // The same node-wide estimate (0.8 at the first rank) and the same three rejected first
+        // drafts of this generation; the nodes differ only in the generations they have seen.
+        let first_rank = |history: &[u64]| {
+            let (planner, costs) = auto_planner(
+                [2.0, 3.0],
+                CostCurve::new(vec![1, 32], vec![20.0, 113.0]).unwrap(),
+            );
+            planner.observe_acceptance(true, &RankCounts::new(vec![160, 10], vec![200, 20]));
+            for &a in history {
+                planner.observe_generation(true, &RankCounts::new(vec![a], vec![50]));
+            }
+            let own = RankCounts::new(vec![0], vec![3]);
+            planner.observe_acceptance(true, &own);
+            let plan = planner
+                .plan(Some(&costs), true, &own, None, 1.0, true)
+                .unwrap();
+            (plan.acceptance[0], planner.own_prior_trials(true))
+        };
+        let (fresh, w_fresh) = first_rank(&[]);
+        let (alike, w_alike) = first_rank(&[40, 41, 39, 40, 42, 38, 40, 40]);
+        let (apart, w_apart) = first_rank(&[20, 48, 25, 47, 30, 46, 22, 49]);
+        assert_eq!(w_fresh, OWN_PRIOR_TRIALS, "no generations seen: the default weight");
+        assert_eq!(w_alike, OWN_PRIOR_TRIALS_MAX, "alike generations");
+        assert!(w_apart < 8.0, "generations that differ: {w_apart}");
+        assert!(
+            apart < fresh && fresh < alike,
+            "three rejections move the estimate most where generations differ: {apart} {fresh} {alike}"
+        );
+        assert!(apart < 0.6, "{apart}");
+    }
+
     /// An auto planner with the decode fallback on, where trees pay at the profiled costs (3 ms
     /// per draft level, 20 ms + 3 ms per node to verify) with a draft that is usually right,
     /// and the verify node's costs.

@@ -193,6 +193,7 @@ async fn generate(
     let mut committed = prep.prompt_tokens.clone();
     committed.extend_from_slice(&g.generated);
     drop(g);
+    debug!(since_start_ms = t_start.elapsed().as_secs_f64() * 1e3, "generation done");
     if state.config.prefix_cache.enabled {
         let keeper = state.clone();
         let _ = tokio::task::spawn_blocking(move || {
@@ -427,6 +428,13 @@ impl<'a> Generation<'a> {
             t_start,
             last_delivery: None,
         };
+        debug!(
+            since_start_ms = t_start.elapsed().as_secs_f64() * 1e3,
+            prefill_ms = g.times.prefill_ms,
+            link_open_ms = link_opened.duration_since(t_prefill).as_secs_f64() * 1e3,
+            draft_prefill_ms = draft_prefilled.duration_since(t_prefill).as_secs_f64() * 1e3,
+            "generation ready"
+        );
         if prep.forced_tree.is_none() {
             let room = g.context_limit().saturating_sub(draft.context_len());
             let first = pipeline.then(|| g.next_shape(room));
