@@ -804,7 +804,10 @@ mod tests {
         let (fresh, w_fresh) = first_rank(&[]);
         let (alike, w_alike) = first_rank(&[40, 41, 39, 40, 42, 38, 40, 40]);
         let (apart, w_apart) = first_rank(&[20, 48, 25, 47, 30, 46, 22, 49]);
-        assert_eq!(w_fresh, OWN_PRIOR_TRIALS, "no generations seen: the default weight");
+        assert_eq!(
+            w_fresh, OWN_PRIOR_TRIALS,
+            "no generations seen: the default weight"
+        );
         assert_eq!(w_alike, OWN_PRIOR_TRIALS_MAX, "alike generations");
         assert!(w_apart < 8.0, "generations that differ: {w_apart}");
         assert!(

@@ -193,7 +193,10 @@ async fn generate(
     let mut committed = prep.prompt_tokens.clone();
     committed.extend_from_slice(&g.generated);
     drop(g);
-    debug!(since_start_ms = t_start.elapsed().as_secs_f64() * 1e3, "generation done");
+    debug!(
+        since_start_ms = t_start.elapsed().as_secs_f64() * 1e3,
+        "generation done"
+    );
     if state.config.prefix_cache.enabled {
         let keeper = state.clone();
         let _ = tokio::task::spawn_blocking(move || {
@@ -1075,9 +1078,9 @@ const KEEP_UP_CHUNK: usize = 8;
 
 /// Steps after which a generation re-plans besides every `replan_every_steps`: early, so that
 /// its own acceptance (which the plan blends in) takes effect within the first tokens rather
-/// than after 16 steps, which is most of a short answer. After each of the first four: a
-/// translation whose first drafts are all rejected lost about 65 ms a step to plain decoding
-/// (two hosts, RTT 0) and answered in 15 steps; a plan costs about 2 ms.
+/// than after 16 steps, which is most of a short answer. After each of the first four: each
+/// step of a translation whose drafts were all rejected cost about 80 ms more than decoding its
+/// one token (two hosts, RTT 0), and the whole answer was 16 tokens; a plan costs about 2 ms.
 const EARLY_REPLANS: [u32; 6] = [1, 2, 3, 4, 6, 8];
 
 /// Most sessions a verdict's `batch_sessions` is believed for (a node batches at most its

@@ -269,7 +269,11 @@ impl AcceptanceSpread {
             .sum::<f64>()
             / (n - 1) as f64;
         let noise = binomial
-            * self.recent.iter().map(|&(_, t)| 1.0 / t as f64).sum::<f64>()
+            * self
+                .recent
+                .iter()
+                .map(|&(_, t)| 1.0 / t as f64)
+                .sum::<f64>()
             / n as f64;
         let between = spread - noise;
         if between <= binomial / (max + 1.0) {
@@ -343,7 +347,11 @@ mod tests {
         let gen = |a: u64, t: u64| RankCounts::new(vec![a], vec![t]);
         let mut alike = AcceptanceSpread::default();
         let mut apart = AcceptanceSpread::default();
-        assert_eq!(alike.prior_trials(16.0, 4.0, 32.0), 16.0, "default before any data");
+        assert_eq!(
+            alike.prior_trials(16.0, 4.0, 32.0),
+            16.0,
+            "default before any data"
+        );
         // Alike: every generation near 0.8 at 100 trials (binomial noise only).
         for a in [79, 81, 80, 78, 82, 80, 81, 79] {
             alike.record(&gen(a, 100));
@@ -356,7 +364,10 @@ mod tests {
             alike.prior_trials(16.0, 4.0, 32.0),
             apart.prior_trials(16.0, 4.0, 32.0),
         );
-        assert_eq!(k_alike, 32.0, "alike generations: the node-wide estimate weighs most");
+        assert_eq!(
+            k_alike, 32.0,
+            "alike generations: the node-wide estimate weighs most"
+        );
         // Rates 0.4..0.95 around m ≈ 0.71: τ² ≈ 0.048, so k ≈ 0.21 / 0.048 − 1 ≈ 3.3 → 4.
         assert!(k_apart < 6.0, "{k_apart}");
         // Too few trials to count, and too few generations for a spread.
@@ -372,6 +383,10 @@ mod tests {
             apart.record(&gen(80, 100));
         }
         assert_eq!(apart.len(), AcceptanceSpread::KEEP);
-        assert_eq!(apart.prior_trials(16.0, 4.0, 32.0), 32.0, "the spread forgot the old ones");
+        assert_eq!(
+            apart.prior_trials(16.0, 4.0, 32.0),
+            32.0,
+            "the spread forgot the old ones"
+        );
     }
 }
