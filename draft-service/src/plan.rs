@@ -209,18 +209,26 @@ fn smooth_drift(old: f64, observed: f64, profiled: f64) -> f64 {
     }
 }
 
+/// One kind of generation's verdicts (greedy or sampled), node-wide.
+#[derive(Debug, Default)]
+struct Verdicts {
+    /// Accepted and tried, by rank: the running acceptance estimate.
+    counts: RankCounts,
+    /// How much finished generations' first-rank acceptance differed: the weight of the
+    /// node-wide estimate in a generation's own.
+    spread: AcceptanceSpread,
+}
+
 #[derive(Debug)]
 pub struct Planner {
     cfg: TreeConfig,
     wire_top_k: usize,
     auto: bool,
     draft_curve: Mutex<Option<CostCurve>>,
-    greedy: Mutex<RankCounts>,
-    sampled: Mutex<RankCounts>,
-    /// How much finished generations' first-rank acceptance differed, greedy and sampled: the
-    /// weight of the node-wide estimate in a generation's own.
-    greedy_spread: Mutex<AcceptanceSpread>,
-    sampled_spread: Mutex<AcceptanceSpread>,
+    /// What greedy and what sampled generations' verdicts have taught (their acceptance
+    /// differs, so each kind learns apart).
+    greedy: Mutex<Verdicts>,
+    sampled: Mutex<Verdicts>,
     drift: Mutex<Drift>,
     /// Learned per tree step: the draft side's time the cost model has no term for
     /// (`Profile::step_extra_ms`).
@@ -257,10 +265,8 @@ impl Planner {
             wire_top_k,
             auto,
             draft_curve: Mutex::new(None),
-            greedy: Mutex::new(RankCounts::default()),
-            sampled: Mutex::new(RankCounts::default()),
-            greedy_spread: Mutex::new(AcceptanceSpread::default()),
-            sampled_spread: Mutex::new(AcceptanceSpread::default()),
+            greedy: Mutex::new(Verdicts::default()),
+            sampled: Mutex::new(Verdicts::default()),
             drift: Mutex::new(Drift {
                 verify_one: 1.0,
                 verify_tree: 1.0,
@@ -363,36 +369,25 @@ impl Planner {
         })
     }
 
-    fn counts(&self, greedy: bool) -> &Mutex<RankCounts> {
-        if greedy {
-            &self.greedy
-        } else {
-            &self.sampled
-        }
+    fn verdicts(&self, greedy: bool) -> std::sync::MutexGuard<'_, Verdicts> {
+        let verdicts = if greedy { &self.greedy } else { &self.sampled };
+        verdicts.lock().unwrap()
     }
 
     /// Fold a finished (or ongoing) generation's verdict statistics into the running estimate.
     pub fn observe_acceptance(&self, greedy: bool, counts: &RankCounts) {
-        self.counts(greedy).lock().unwrap().add(counts);
-    }
-
-    fn spread(&self, greedy: bool) -> &Mutex<AcceptanceSpread> {
-        if greedy {
-            &self.greedy_spread
-        } else {
-            &self.sampled_spread
-        }
+        self.verdicts(greedy).counts.add(counts);
     }
 
     /// A generation ended with `own` verdicts (all of its own): they join the spread that
     /// weighs the node-wide estimate against the next generations' own.
     pub fn observe_generation(&self, greedy: bool, own: &RankCounts) {
-        self.spread(greedy).lock().unwrap().record(own);
+        self.verdicts(greedy).spread.record(own);
     }
 
     /// The node-wide estimate's weight in a generation's own, in pseudo-trials.
     pub fn own_prior_trials(&self, greedy: bool) -> f64 {
-        self.spread(greedy).lock().unwrap().prior_trials(
+        self.verdicts(greedy).spread.prior_trials(
             OWN_PRIOR_TRIALS,
             OWN_PRIOR_TRIALS_MIN,
             OWN_PRIOR_TRIALS_MAX,
@@ -502,9 +497,8 @@ impl Planner {
         can_decode: bool,
     ) -> Result<ActivePlan, String> {
         let others = self
-            .counts(greedy)
-            .lock()
-            .unwrap()
+            .verdicts(greedy)
+            .counts
             .since(own)
             .estimate(&self.cfg.acceptance, PRIOR_TRIALS);
         let p = own.estimate(&others, self.own_prior_trials(greedy));
@@ -564,7 +558,7 @@ impl Planner {
         let mut plan = ActivePlan::with_miss(&p, best.nodes, best.levels, auto.miss)
             .map_err(|e| e.to_string())?;
         if best.nodes == 1 {
-            let optimistic = self.counts(greedy).lock().unwrap().upper_estimate(
+            let optimistic = self.verdicts(greedy).counts.upper_estimate(
                 &self.cfg.acceptance,
                 PRIOR_TRIALS,
                 PROBE_CONFIDENCE_Z,
