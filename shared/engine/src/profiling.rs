@@ -1,7 +1,7 @@
 //! Measuring the costs the planner needs on the machine at hand: target forward time over trees
 //! of n nodes, t_v(n), and draft forward time over one level of w nodes, t_d(w), each at a
-//! working context length (the fastest of a few repeats). The verify node runs the first (`Profile` RPC),
-//! the draft node the second; `sequoia tree profile` runs both locally.
+//! working context length (the fastest of a few repeats). The verify node runs the first
+//! (`Profile` RPC), the draft node the second; `sequoia tree profile` runs both locally.
 
 use crate::{EngineError, Model};
 use sequoia_core::planner::{SequoiaDp, EXAMPLE_ACCEPTANCE};
@@ -11,7 +11,7 @@ use std::time::Instant;
 /// Sizes measured by default (nodes per tree, or nodes per level).
 pub const DEFAULT_SIZES: [u32; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32];
 
-/// Median milliseconds of one forward over a tree of each size, after `context` committed
+/// Fastest milliseconds of one forward over a tree of each size, after `context` committed
 /// tokens. `shape(n)` gives the tree measured for size n; the LM head scores token ids
 /// `0..head_vocab` (the model's whole vocabulary, or a pruned draft's).
 pub fn measure_forward(
