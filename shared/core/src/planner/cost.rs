@@ -203,9 +203,15 @@ pub fn pipeline_hit_rate(hits: u32, misses: u32) -> f64 {
 pub fn pipelined_step_ms(hit: f64, draft_next_ms: f64, round_trip_ms: f64, draft_ms: f64) -> f64 {
     expected_step_ms(
         hit,
-        draft_next_ms.max(round_trip_ms),
+        hit_step_ms(draft_next_ms, round_trip_ms),
         round_trip_ms + draft_ms,
     )
+}
+
+/// A hit step's time when its tree is sent only after the verdict: the next tree is ready once
+/// both its growth and the round trip are done.
+fn hit_step_ms(draft_next_ms: f64, round_trip_ms: f64) -> f64 {
+    draft_next_ms.max(round_trip_ms)
 }
 
 /// The step time expected at hit probability `hit` (clamped as [`hit_probability`] does) from
@@ -230,7 +236,7 @@ fn expected_step_ms(hit: f64, hit_ms: f64, miss_ms: f64) -> f64 {
 ///       = draft                                                   otherwise
 /// ```
 ///
-/// Never longer than `max(draft, round_trip)`, the hit step without sending ahead.
+/// Never longer than `hit_step_ms`, the hit step without sending ahead.
 pub fn sent_ahead_hit_ms(draft_next_ms: f64, round_trip_ms: f64, network_ms: f64) -> f64 {
     if draft_next_ms < round_trip_ms {
         (round_trip_ms - network_ms).max(0.5 * (draft_next_ms + round_trip_ms))
@@ -317,11 +323,10 @@ pub fn predict_pipelined(
     let hit_ms = if profile.sends_ahead {
         sent_ahead_hit_ms(ahead_ms, round_trip, network_ms)
     } else {
-        ahead_ms.max(round_trip)
+        hit_step_ms(ahead_ms, round_trip)
     };
     let step_ms = profile.step_extra_ms
         + match pipeline_hit {
-            // Without sending ahead, `hit_ms` is `pipelined_step_ms`'s max(draft_next, round_trip).
             Some(hit) => expected_step_ms(hit, hit_ms, round_trip + draft_ms),
             None => draft_ms + round_trip,
         };
