@@ -193,19 +193,26 @@ const DRIFT_WEIGHT: f64 = 0.2;
 /// each moves it a little.
 const STEP_EXTRA_GAIN: f64 = 0.1;
 
-/// Share of the decode factor's distance from the profile (1) dropped at each verdict of a
-/// tree: while a generation keeps its trees nothing measures t_v(1), so a slow spell caught by
-/// a few decode tokens would otherwise price plain decoding for the rest of the node's life
-/// (measured: a factor of 1.42 from 11 tokens, kept over the next 80 plans, every prediction
-/// 42 % high). Toward the profile, not the tree factor: a decode priced too cheap is corrected
-/// by the next decode tokens, one priced too dear by nothing.
-const DECODE_DRIFT_RELAX: f64 = 0.1;
+/// Share of a drift factor's distance from the profile (1) dropped each time the other mode
+/// runs instead: the decode factor at each verdict of a tree, the tree and draft factors at
+/// each decode of the fallback. Nothing measures a mode while the other runs, so without it a
+/// slow spell would price that mode for the rest of the node's life (measured: a decode factor
+/// of 1.42 from 11 tokens, kept over the next 80 plans, every prediction 42 % high; tree and
+/// draft factors of 1.3 and 1.4 from a slow start, then 60 tokens decoded where trees paid
+/// 1.1× in the next run). Toward the profile, not toward the other factor: a mode priced too
+/// cheap is corrected by the steps it leads to, one priced too dear by nothing.
+const DRIFT_RELAX: f64 = 0.1;
 
 /// Share of the per-step extra dropped after each decode of the fallback.
 const STEP_EXTRA_RELAX: f64 = 0.2;
 
 /// Upper bound of the per-step extra, ms: a stalled step must not put every plan off trees.
 const MAX_STEP_EXTRA_MS: f64 = 250.0;
+
+/// `factor` moved [`DRIFT_RELAX`] of the way back to the profile (1).
+fn relax_drift(factor: f64) -> f64 {
+    1.0 + (factor - 1.0) * (1.0 - DRIFT_RELAX)
+}
 
 /// `old` moved toward `observed / profiled` by [`DRIFT_WEIGHT`], within 0.2..=5 (a stall or a
 /// bad measurement must not make every plan absurd); unchanged when either time is not positive.
@@ -422,7 +429,7 @@ impl Planner {
         } else {
             d.verify_tree = smooth_drift(d.verify_tree, observed_ms, profiled);
             if observed_ms.is_finite() && observed_ms > 0.0 {
-                d.verify_one = 1.0 + (d.verify_one - 1.0) * (1.0 - DECODE_DRIFT_RELAX);
+                d.verify_one = relax_drift(d.verify_one);
             }
         }
     }
@@ -464,11 +471,15 @@ impl Planner {
         *extra = (*extra + STEP_EXTRA_GAIN * error).clamp(0.0, MAX_STEP_EXTRA_MS);
     }
 
-    /// A stretch without tree steps (the decode fallback) observes nothing of the per-step
-    /// extra: it relaxes toward zero, so that a spell of slow steps does not keep the planner
-    /// off trees for good; the next trees measure it again.
-    pub fn relax_step_extra(&self) {
+    /// A decode of the fallback ran: a stretch without tree steps observes nothing of the
+    /// per-step extra, the tree verify factor or the draft factor, so each relaxes (the extra
+    /// toward zero, the factors toward the profile), and a spell of slow steps does not keep
+    /// the planner off trees for good; the next trees measure them again.
+    pub fn relax_after_decode(&self) {
         *self.step_extra_ms.lock().unwrap() *= 1.0 - STEP_EXTRA_RELAX;
+        let mut d = self.drift.lock().unwrap();
+        d.verify_tree = relax_drift(d.verify_tree);
+        d.draft = relax_drift(d.draft);
     }
 
     /// The learned per-tree-step extra, ms.
@@ -897,6 +908,30 @@ mod tests {
         assert_eq!(planner.drift(), before);
     }
 
+    /// Trees and drafts caught in a slow spell (here 2.5× their profile) put the plan on
+    /// decodes, which measure neither: each decode moves both factors back toward the profile,
+    /// so trees return after a few decodes instead of never.
+    #[test]
+    fn a_slow_spell_of_trees_does_not_keep_the_plan_on_decodes() {
+        let (planner, costs) = fallback_planner();
+        assert!(plan_of(&planner, &costs).full_size() > 1);
+        let chain = Tree::chain(3);
+        for _ in 0..30 {
+            planner.observe_verify(&costs, 4, 1, 2.5 * costs.verify.at(4));
+            planner.observe_draft(&chain, 2.5 * 2.0 * 3.0);
+        }
+        assert_eq!(plan_of(&planner, &costs).full_size(), 1, "{:?}", planner.drift());
+        let mut decodes = 0;
+        while plan_of(&planner, &costs).full_size() == 1 {
+            planner.relax_after_decode();
+            decodes += 1;
+            assert!(decodes < 30, "trees never came back: {:?}", planner.drift());
+        }
+        assert!(decodes > 1, "{decodes}");
+        let (_, tree, draft) = planner.drift();
+        assert!(tree > 1.0 && draft > 1.0, "{:?}", planner.drift());
+    }
+
     /// A slow spell caught by a few decode tokens (here, at 1.5× the profile) prices plain
     /// decoding dearly and sends the plan to trees; the trees' verdicts then bring that price
     /// back toward the profile, so a task on which trees do not pay returns to decoding rather
@@ -984,7 +1019,7 @@ mod tests {
         assert!(off.probe);
         let mut decodes = 0;
         while plan_of(&planner, &costs).full_size() == 1 {
-            planner.relax_step_extra();
+            planner.relax_after_decode();
             decodes += 1;
             assert!(decodes < 100, "the extra never relaxed");
         }

@@ -598,7 +598,7 @@ impl<'a> Generation<'a> {
             }
         }
         self.times.roundtrip += t0.elapsed();
-        self.state.planner.relax_step_extra();
+        self.state.planner.relax_after_decode();
         debug!(
             tokens = k,
             ms = t0.elapsed().as_secs_f64() * 1e3,
