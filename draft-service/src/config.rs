@@ -108,6 +108,11 @@ pub struct TreeConfig {
     pub replan_every_steps: u32,
     /// Auto mode: context length at which forward costs are measured.
     pub profile_context: usize,
+    /// Auto mode: share of a drift factor's distance from the profile dropped each time the
+    /// other mode runs (the decode factor at each tree verdict, the tree and draft factors at
+    /// each decode of the fallback; docs/ALGORITHMS.md §5.4). 0 keeps a factor until its own
+    /// mode runs again.
+    pub drift_relax: f64,
 }
 
 /// Prompt lookup: a continuation copied from earlier in the context (prompt and generated
@@ -243,6 +248,7 @@ impl Default for TreeConfig {
             max_levels: 8,
             replan_every_steps: 16,
             profile_context: 128,
+            drift_relax: 0.1,
         }
     }
 }

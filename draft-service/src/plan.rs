@@ -193,25 +193,23 @@ const DRIFT_WEIGHT: f64 = 0.2;
 /// each moves it a little.
 const STEP_EXTRA_GAIN: f64 = 0.1;
 
-/// Share of a drift factor's distance from the profile (1) dropped each time the other mode
-/// runs instead: the decode factor at each verdict of a tree, the tree and draft factors at
-/// each decode of the fallback. Nothing measures a mode while the other runs, so without it a
-/// slow spell would price that mode for the rest of the node's life (measured: a decode factor
-/// of 1.42 from 11 tokens, kept over the next 80 plans, every prediction 42 % high; tree and
-/// draft factors of 1.3 and 1.4 from a slow start, then 60 tokens decoded where trees paid
-/// 1.1× in the next run). Toward the profile, not toward the other factor: a mode priced too
-/// cheap is corrected by the steps it leads to, one priced too dear by nothing.
-const DRIFT_RELAX: f64 = 0.1;
-
 /// Share of the per-step extra dropped after each decode of the fallback.
 const STEP_EXTRA_RELAX: f64 = 0.2;
 
 /// Upper bound of the per-step extra, ms: a stalled step must not put every plan off trees.
 const MAX_STEP_EXTRA_MS: f64 = 250.0;
 
-/// `factor` moved [`DRIFT_RELAX`] of the way back to the profile (1).
-fn relax_drift(factor: f64) -> f64 {
-    1.0 + (factor - 1.0) * (1.0 - DRIFT_RELAX)
+/// `factor` moved `share` of the way back to the profile (1): `tree.drift_relax`, applied to a
+/// factor each time the other mode runs instead (the decode factor at each verdict of a tree,
+/// the tree and draft factors at each decode of the fallback). Nothing measures a mode while
+/// the other runs, so without it a slow spell would price that mode for the rest of the node's
+/// life (measured: a decode factor of 1.42 from 11 tokens, kept over the next 80 plans, every
+/// prediction 42 % high; tree and draft factors of 1.3 and 1.4 from a slow start, then 60
+/// tokens decoded where trees paid 1.1× in the next run). Toward the profile, not toward the
+/// other factor: a mode priced too cheap is corrected by the steps it leads to, one priced too
+/// dear by nothing.
+fn relax_drift(factor: f64, share: f64) -> f64 {
+    1.0 + (factor - 1.0) * (1.0 - share)
 }
 
 /// `old` moved toward `observed / profiled` by [`DRIFT_WEIGHT`], within 0.2..=5 (a stall or a
@@ -273,6 +271,12 @@ impl Planner {
                 "tree.max_levels must be in 1..={}, got {}",
                 limits::MAX_TREE_LEVELS,
                 cfg.max_levels
+            ));
+        }
+        if !(0.0..=1.0).contains(&cfg.drift_relax) {
+            return Err(format!(
+                "tree.drift_relax must be in 0..=1 (a share), got {}",
+                cfg.drift_relax
             ));
         }
         Ok(Self {
@@ -429,7 +433,7 @@ impl Planner {
         } else {
             d.verify_tree = smooth_drift(d.verify_tree, observed_ms, profiled);
             if observed_ms.is_finite() && observed_ms > 0.0 {
-                d.verify_one = relax_drift(d.verify_one);
+                d.verify_one = relax_drift(d.verify_one, self.cfg.drift_relax);
             }
         }
     }
@@ -478,8 +482,8 @@ impl Planner {
     pub fn relax_after_decode(&self) {
         *self.step_extra_ms.lock().unwrap() *= 1.0 - STEP_EXTRA_RELAX;
         let mut d = self.drift.lock().unwrap();
-        d.verify_tree = relax_drift(d.verify_tree);
-        d.draft = relax_drift(d.draft);
+        d.verify_tree = relax_drift(d.verify_tree, self.cfg.drift_relax);
+        d.draft = relax_drift(d.draft, self.cfg.drift_relax);
     }
 
     /// The learned per-tree-step extra, ms.
@@ -1107,5 +1111,14 @@ mod tests {
         assert!(Planner::new(&cfg, 8)
             .unwrap_err()
             .contains("tree.acceptance"));
+        for share in [-0.1, 1.5, f64::NAN] {
+            let cfg = TreeConfig {
+                drift_relax: share,
+                ..TreeConfig::default()
+            };
+            assert!(Planner::new(&cfg, 8)
+                .unwrap_err()
+                .contains("tree.drift_relax"));
+        }
     }
 }

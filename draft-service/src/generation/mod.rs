@@ -160,6 +160,7 @@ async fn generate(
             (g.verify(&drafted, false, None).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
+        g.decoded_since_tree = 0;
         g.lookup_record.record(&lookup.guess, &emitted);
         g.observe_step(&shape, hit, t_step.elapsed(), lookup.cost_ms);
         debug!(
@@ -288,6 +289,8 @@ struct Generation<'a> {
     /// Tokens the verify node decoded on its own (the decode fallback), and whether a decode
     /// ended since the last re-plan (each one is followed by a re-plan).
     fallback_tokens: u32,
+    /// Tokens the decode fallback committed since the last tree step (when to probe).
+    decoded_since_tree: usize,
     replan_due: bool,
     /// When the generation started, and when text last went to the client (for the
     /// time-to-first-token and inter-token-latency metrics).
@@ -427,6 +430,7 @@ impl<'a> Generation<'a> {
             ahead_taken: 0,
             caught_up: 0,
             fallback_tokens: 0,
+            decoded_since_tree: 0,
             replan_due: false,
             t_start,
             last_delivery: None,
@@ -582,6 +586,7 @@ impl<'a> Generation<'a> {
                 draft.commit_decoded(&follow);
                 self.root = newest;
                 self.fallback_tokens += m.tokens.len() as u32;
+                self.decoded_since_tree += m.tokens.len();
                 self.counts.tokens += m.tokens.len() as u64;
                 result = self.deliver(&m.tokens, out, tx).await?;
             }
@@ -644,16 +649,20 @@ impl<'a> Generation<'a> {
         match &self.prep.forced_tree {
             Some(t) if t.len() <= room => t.clone(),
             // Auto mode without speculation would never see a verdict again: probe with a
-            // two-node chain once every two re-plan periods so the acceptance estimate keeps
-            // learning (a probe costs the draft's catch-up over the tokens it skipped) — but
-            // only while a tree could pay at an optimistic acceptance (`plan.probe`). Every
-            // four periods was too rare where decodes are one token each (one host): a
-            // generation whose first trees were unlucky stayed on decodes for 64 tokens.
+            // two-node chain once every two re-plan periods, or once `PROBE_AFTER_TOKENS`
+            // tokens were decoded since the last tree, so that the acceptance estimate and the
+            // tree and draft factors keep learning (a probe costs the draft's catch-up over
+            // the tokens it skipped) — but only while a tree could pay at an optimistic
+            // acceptance (`plan.probe`). Every four periods was too rare where decodes are one
+            // token each (one host): a generation whose first trees were unlucky stayed on
+            // decodes for 64 tokens. Periods count decode messages, of 5–6 tokens each at two
+            // hosts (RTT 10 ms), so there a probe came after some 180 tokens: never, in a
+            // 64-token answer that two slow steps had put on decodes.
             _ if self.plan.is_auto()
                 && self.plan.probe
                 && self.plan.shape(room).len() == 1
                 && room >= 2
-                && steps % (2 * every) == 2 * every - 1 =>
+                && probe_due(steps, every, self.decoded_since_tree) =>
             {
                 Tree::chain(2)
             }
@@ -1076,6 +1085,19 @@ fn same_as_sent(drafted: &DraftedTree, sent: &AheadTree) -> Result<(), Status> {
 /// tree to catch up on.
 const KEEP_UP_CHUNK: usize = 8;
 
+/// Tokens decoded by the fallback after which the next step probes with a tree, whatever the
+/// step count (see `Generation::shape_at`).
+const PROBE_AFTER_TOKENS: usize = 16;
+
+/// Whether a generation on the decode fallback probes with a tree at step `steps` (steps so
+/// far, a decode message counting as one), with re-plans every `every` steps and `decoded`
+/// tokens decoded since its last tree: once every two re-plan periods, or once
+/// [`PROBE_AFTER_TOKENS`] tokens went by without a tree.
+fn probe_due(steps: u32, every: u32, decoded: usize) -> bool {
+    let period = 2 * every.max(1);
+    steps % period == period - 1 || decoded >= PROBE_AFTER_TOKENS
+}
+
 /// Steps after which a generation re-plans besides every `replan_every_steps`: early, so that
 /// its own acceptance (which the plan blends in) takes effect within the first tokens rather
 /// than after 16 steps, which is most of a short answer. After each of the first four: each
@@ -1129,4 +1151,34 @@ async fn node_costs(
     tracing::info!(node = %node.addr, rtt_ms = costs.network.rtt_ms, verify_ms = ?costs.verify.ms, "profiled verify node");
     *slot = Some(costs.clone());
     Ok(Some(costs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A generation the fallback serves keeps probing: with one-token decode messages (one
+    /// host) every two re-plan periods at most, and with the multi-token messages of two hosts
+    /// after [`PROBE_AFTER_TOKENS`] tokens, not only after two periods of messages (some 180
+    /// tokens at six per message, longer than most answers).
+    #[test]
+    fn decodes_probe_by_steps_and_by_tokens() {
+        let every = 16;
+        // One token per message: the period's last step, and the token count at 16.
+        let one_token: Vec<u32> = (0..64)
+            .filter(|&s| probe_due(s, every, (s % 32) as usize))
+            .collect();
+        assert_eq!(one_token.first(), Some(&16));
+        assert!(one_token.contains(&31));
+        // Six tokens per message since the last tree: due at the third message.
+        let due: Vec<usize> = (1..=5)
+            .filter(|&m| probe_due(m as u32, every, 6 * m))
+            .collect();
+        assert_eq!(due, vec![3, 4, 5]);
+        // Right after a tree, nothing is due until the period's end.
+        assert!(!probe_due(4, every, 0));
+        assert!(probe_due(31, every, 0));
+        // A period of 0 steps (a bad setting) does not divide by zero.
+        assert!(probe_due(1, 0, 0));
+    }
 }
