@@ -924,7 +924,12 @@ mod tests {
             planner.observe_verify(&costs, 4, 1, 2.5 * costs.verify.at(4));
             planner.observe_draft(&chain, 2.5 * 2.0 * 3.0);
         }
-        assert_eq!(plan_of(&planner, &costs).full_size(), 1, "{:?}", planner.drift());
+        assert_eq!(
+            plan_of(&planner, &costs).full_size(),
+            1,
+            "{:?}",
+            planner.drift()
+        );
         let mut decodes = 0;
         while plan_of(&planner, &costs).full_size() == 1 {
             planner.relax_after_decode();
@@ -959,7 +964,12 @@ mod tests {
         for _ in 0..20 {
             planner.observe_verify(&costs, 4, 1, 2.5 * costs.verify.at(4));
         }
-        assert_eq!(plan_of(&planner, &costs).full_size(), 1, "{:?}", planner.drift());
+        assert_eq!(
+            plan_of(&planner, &costs).full_size(),
+            1,
+            "{:?}",
+            planner.drift()
+        );
     }
 
     /// Trees that run four times slower than their profile (while decodes run at theirs) make
