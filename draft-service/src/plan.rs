@@ -212,14 +212,16 @@ fn relax_drift(factor: f64, share: f64) -> f64 {
     1.0 + (factor - 1.0) * (1.0 - share)
 }
 
-/// `old` moved toward `observed / profiled` by [`DRIFT_WEIGHT`], within 0.2..=5 (a stall or a
-/// bad measurement must not make every plan absurd); unchanged when either time is not positive.
-fn smooth_drift(old: f64, observed: f64, profiled: f64) -> f64 {
-    if profiled > 0.0 && observed > 0.0 && observed.is_finite() {
-        ((1.0 - DRIFT_WEIGHT) * old + DRIFT_WEIGHT * observed / profiled).clamp(0.2, 5.0)
-    } else {
-        old
-    }
+/// `observed / profiled`, or None when either time is not a positive number (a bad
+/// measurement, which must teach nothing).
+fn drift_ratio(observed: f64, profiled: f64) -> Option<f64> {
+    (profiled > 0.0 && observed > 0.0 && observed.is_finite()).then(|| observed / profiled)
+}
+
+/// `old` moved toward `ratio` by [`DRIFT_WEIGHT`], within 0.2..=5 (a stall or a bad
+/// measurement must not make every plan absurd).
+fn smooth_drift(old: f64, ratio: f64) -> f64 {
+    ((1.0 - DRIFT_WEIGHT) * old + DRIFT_WEIGHT * ratio).clamp(0.2, 5.0)
 }
 
 /// One kind of generation's verdicts (greedy or sampled), node-wide.
@@ -427,14 +429,15 @@ impl Planner {
         observed_ms: f64,
     ) {
         let profiled = forwards as f64 * costs.verify.at(rows.max(1));
+        let Some(ratio) = drift_ratio(observed_ms, profiled) else {
+            return;
+        };
         let mut d = self.drift.lock().unwrap();
         if rows <= 1 {
-            d.verify_one = smooth_drift(d.verify_one, observed_ms, profiled);
+            d.verify_one = smooth_drift(d.verify_one, ratio);
         } else {
-            d.verify_tree = smooth_drift(d.verify_tree, observed_ms, profiled);
-            if observed_ms.is_finite() && observed_ms > 0.0 {
-                d.verify_one = relax_drift(d.verify_one, self.cfg.drift_relax);
-            }
+            d.verify_tree = smooth_drift(d.verify_tree, ratio);
+            d.verify_one = relax_drift(d.verify_one, self.cfg.drift_relax);
         }
     }
 
@@ -445,9 +448,11 @@ impl Planner {
         let Some(curve) = self.draft_curve.lock().unwrap().clone() else {
             return;
         };
-        let profiled = tree_draft_ms(&curve, shape);
+        let Some(ratio) = drift_ratio(observed_ms, tree_draft_ms(&curve, shape)) else {
+            return;
+        };
         let mut d = self.drift.lock().unwrap();
-        d.draft = smooth_drift(d.draft, observed_ms, profiled);
+        d.draft = smooth_drift(d.draft, ratio);
     }
 
     /// A tree of `nodes` nodes on `costs`' node as the planner prices it now: a forward of

@@ -160,7 +160,6 @@ async fn generate(
             (g.verify(&drafted, false, None).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
-        g.decoded_since_tree = 0;
         g.lookup_record.record(&lookup.guess, &emitted);
         g.observe_step(&shape, hit, t_step.elapsed(), lookup.cost_ms);
         debug!(
@@ -912,6 +911,7 @@ impl<'a> Generation<'a> {
         verdict: &Verdict,
         ahead: Option<Speculation>,
     ) -> Result<Vec<u32>, Status> {
+        self.decoded_since_tree = 0;
         let accepted: Vec<usize> = verdict.accepted_nodes.iter().map(|&i| i as usize).collect();
         // The path through the tree the draft grew: what its statistics count (lookup nodes are
         // counted apart), and where a pipelined step's verdict ended.
