@@ -1392,8 +1392,7 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
         // Base pointers per sub-block, as in [`q4k_sub`].
         let lo_lines = main.add(64 * (16 * (Q % 2) + 4 * j) + 32 * half);
         let hi_lines = main.add(2048 + 256 * j + 32 * half);
-        for t in 0..4 {
-            let g = 16 * Q + 4 * j + t;
+        let line = |t: usize| {
             let v = S::load(lo_lines.add(64 * t));
             let lo = if Q >= 2 {
                 S::and(S::shr16(v, 4), m4)
@@ -1407,8 +1406,28 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
                 2 => hv,
                 _ => S::shr16(hv, 2),
             };
-            let w = S::or(lo, S::and(hb, m30));
-            dot_line::<S, _, R>(&mut a, &mut b, w, acts, 4 * g, t % 2 == 1);
+            S::or(lo, S::and(hb, m30))
+        };
+        let g0 = 16 * Q + 4 * j;
+        if S::I16_SUMS {
+            // Row by row over the four unpacked lines: the rows' i16 sums live one at a time
+            // (two chains of two lines) instead of all `R` across the lines, so the tile's
+            // i32 sums stay in registers (Zen 3, AVX2: 8 rows spilled them on every sub-block).
+            // Wrapping i16 adds in any order end at the same in-range value.
+            let w: [S::I; 4] = std::array::from_fn(|t| line(t));
+            let sc = S::dup16(sc);
+            for r in 0..R {
+                let x = |t: usize| S::bcast(bcast_q(acts[r], 4 * (g0 + t)));
+                let lo = S::add16(a[r], S::maddubs(w[0], x(0)));
+                let hi = S::maddubs(w[1], x(1));
+                let lo = S::add16(lo, S::maddubs(w[2], x(2)));
+                let hi = S::add16(hi, S::maddubs(w[3], x(3)));
+                sumi[r] = S::dpwssd(sumi[r], S::add16(lo, hi), sc);
+            }
+            return;
+        }
+        for t in 0..4 {
+            dot_line::<S, _, R>(&mut a, &mut b, line(t), acts, 4 * (g0 + t), t % 2 == 1);
         }
         add_scaled::<S, R>(sumi, &a, &b, sc);
     }
