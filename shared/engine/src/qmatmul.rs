@@ -526,7 +526,10 @@ pub(crate) fn kernel_from_bytes(
         GgmlDType::Q3K => typed::<BlockQ3K>(n, k, bytes),
         GgmlDType::Q4K => packed::<qkernels::Q4K>(n, k, bytes),
         GgmlDType::Q5K => typed::<BlockQ5K>(n, k, bytes),
-        GgmlDType::Q6K => packed::<qkernels::Q6K>(n, k, bytes),
+        GgmlDType::Q6K => match qkernels::q6k_layout_for(qkernels::isa()) {
+            qkernels::Q6KLayout::Planes => packed::<qkernels::Q6K>(n, k, bytes),
+            qkernels::Q6KLayout::Lines => packed::<qkernels::Q6KLines>(n, k, bytes),
+        },
         GgmlDType::Q8K => typed::<BlockQ8K>(n, k, bytes),
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => Err(EngineError::Load(format!(
             "{dtype:?} is not a block-quantized type"
@@ -687,7 +690,10 @@ pub fn kernel_report(
     }
     Ok(match dtype {
         GgmlDType::Q4K => go::<qkernels::Q4K>(isa, &w, &x, n, k, m, copies),
-        GgmlDType::Q6K => go::<qkernels::Q6K>(isa, &w, &x, n, k, m, copies),
+        GgmlDType::Q6K => match qkernels::q6k_layout_for(isa) {
+            qkernels::Q6KLayout::Planes => go::<qkernels::Q6K>(isa, &w, &x, n, k, m, copies),
+            qkernels::Q6KLayout::Lines => go::<qkernels::Q6KLines>(isa, &w, &x, n, k, m, copies),
+        },
         GgmlDType::Q5_0 => go::<qkernels::Q5_0>(isa, &w, &x, n, k, m, copies),
         GgmlDType::Q8_0 => go::<qkernels::Q8_0>(isa, &w, &x, n, k, m, copies),
         GgmlDType::Q4_1 => go::<qkernels::Q4_1>(isa, &w, &x, n, k, m, copies),
@@ -875,6 +881,7 @@ mod tests {
         }
         check::<qkernels::Q4K>(GgmlDType::Q4K);
         check::<qkernels::Q6K>(GgmlDType::Q6K);
+        check::<qkernels::Q6KLines>(GgmlDType::Q6K);
         check::<qkernels::Q5_0>(GgmlDType::Q5_0);
         check::<qkernels::Q8_0>(GgmlDType::Q8_0);
         check::<qkernels::Q4_1>(GgmlDType::Q4_1);
@@ -936,6 +943,7 @@ mod tests {
         }
         check::<qkernels::Q4K>(144, &[0, 2]);
         check::<qkernels::Q6K>(210, &[208]);
+        check::<qkernels::Q6KLines>(210, &[208]);
         check::<qkernels::Q5_0>(22, &[0]);
         check::<qkernels::Q8_0>(34, &[0]);
         check::<qkernels::Q4_1>(20, &[0, 2]);
