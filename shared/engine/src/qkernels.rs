@@ -1415,7 +1415,7 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
             // (two chains of two lines) instead of all `R` across the lines, so the tile's
             // i32 sums stay in registers (Zen 3, AVX2: 8 rows spilled them on every sub-block).
             // Wrapping i16 adds in any order end at the same in-range value.
-            let w: [S::I; 4] = std::array::from_fn(|t| line(t));
+            let w: [S::I; 4] = std::array::from_fn(line);
             let sc = S::dup16(sc);
             for r in 0..R {
                 let x = |t: usize| S::bcast(bcast_q(acts[r], 4 * (g0 + t)));
