@@ -11,7 +11,7 @@
 //! means the node is not exact, and the bench stops with an error.
 //!
 //! Rows: for N in `--sessions`, with batching on and off, against verify-service processes
-//! started here with the same threads:
+//! started here with the same threads and the prefix cache off (every session pays its prefill):
 //! - `tree`: the recorded trees, whole;
 //! - `load-aware`: before each step the session cuts the recorded tree to the size n that
 //!   maximizes expected tokens / t_v(n · S), where t_v is the node's measured forward time
@@ -428,9 +428,15 @@ fn start_verify(
         .join("logs")
         .join(if batched { "batched" } else { "unbatched" });
     std::fs::create_dir_all(&logs)?;
+    // No prefix cache: the runs reopen the same prompts one after the other, and whether an
+    // ended session's cache is kept before the next session asks for it is a race between the
+    // two streams. A lost race cost one row 0.45 s of prefill that its twin did not pay (1,669
+    // against 1,295 ms for the same session, batched and not, session 19). Reuse's gain is
+    // what `sequoia bench multi-turn` measures.
     let mut env = vec![
         ("SEQUOIA_BATCH__ENABLED", batched.to_string()),
         ("SEQUOIA_MAX_SESSIONS", "256".to_string()),
+        ("SEQUOIA_PREFIX_CACHE__ENABLED", "false".to_string()),
     ];
     if let Some(w) = args.max_wait_us {
         env.push(("SEQUOIA_BATCH__MAX_WAIT_US", w.to_string()));
