@@ -222,13 +222,14 @@ fn relax_drift_toward(factor: f64, target: f64, share: f64) -> f64 {
 
 /// The decode factor relaxed at a tree's verdict: toward the profile, or toward the tree
 /// factor where that is lower. Trees running faster than their profile mean the profile was
-/// taken in a slow spell (a verify node's first profile, measured on a shared host: t_v(1) of
-/// 102 ms against 71–76 in three other runs of the same code, the target alone at 78–85 ms per
-/// token, so every prediction came 21 % high while no decode ran to correct it), and plain
-/// decoding is then as much cheaper as the trees are. Trees running slower than their profile
-/// say nothing about decodes (the draft's work beside them can slow them, see
+/// taken in a slow spell (on a shared host one run's profile had t_v(1) at 102 ms where three
+/// others measured 71–76), and plain decoding is then as much cheaper as the trees are, though
+/// no decode runs to say so. Trees running slower than their profile say nothing about decodes
+/// (the draft's work beside them can slow them, see
 /// `a_slow_spell_of_trees_does_not_keep_the_plan_on_decodes`), so there the target stays the
-/// profile. Either way a decode priced too cheap is corrected by the decodes it leads to.
+/// profile. So a slow profile whose trees also run slow in service (that run: tree factor
+/// 0.88–1.08) keeps decoding priced by the profile. Either way a decode priced too cheap is
+/// corrected by the decodes it leads to.
 fn relax_decode_drift(verify_one: f64, verify_tree: f64, share: f64) -> f64 {
     relax_drift_toward(verify_one, verify_tree.min(1.0), share)
 }
