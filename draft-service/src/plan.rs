@@ -520,7 +520,6 @@ impl Planner {
 
     /// The current drift factors (verify of one row, verify of several, draft): observed over
     /// profiled times, smoothed.
-    /// The drift factors (observed over profiled): single-row verifies, tree verifies, drafts.
     pub fn drift(&self) -> (f64, f64, f64) {
         let d = *self.drift.lock().unwrap();
         (d.verify_one, d.verify_tree, d.draft)

@@ -260,9 +260,14 @@ fn quantize_i8_reference(x: &[f32], q: &mut [i8]) -> f32 {
 pub(crate) trait ActBlock: Copy + Send + Sync + std::fmt::Debug + 'static {
     const BLOCK: usize;
     fn quantize(x: &[f32]) -> Self;
+    /// The block's scale: value = `d · q`.
+    fn d(&self) -> f32;
 }
 
 impl ActBlock for ActK {
+    fn d(&self) -> f32 {
+        self.d
+    }
     const BLOCK: usize = QK_K;
     fn quantize(x: &[f32]) -> ActK {
         let mut a = ActK {
@@ -291,6 +296,9 @@ impl ActBlock for ActK {
 }
 
 impl ActBlock for Act32 {
+    fn d(&self) -> f32 {
+        self.d
+    }
     const BLOCK: usize = 32;
     fn quantize(x: &[f32]) -> Act32 {
         let mut a = Act32 {
@@ -1089,18 +1097,19 @@ unsafe fn bcast_q<A>(a: *const A, byte: usize) -> *const u8 {
 /// The i16 pair `(1, 1)`: `madd` with it widens i16 sums to i32.
 const ONES16: u32 = 0x0001_0001;
 
-/// Float epilogue shared by the 32-value formats: `out += cvt(acc) · (d · xd)`.
+/// Float epilogue of a block's integer sums, shared by the formats: `out += cvt(acc) · (d · xd)`
+/// with the weights' scales `d` and each row's activation scale `xd`.
 #[inline(always)]
-unsafe fn epi32<S: Simd, const R: usize>(
+unsafe fn epi32<S: Simd, A: ActBlock, const R: usize>(
     d: S::F,
     acc: &[S::I; R],
-    acts: &[*const Act32; R],
+    acts: &[*const A; R],
     out: &mut [S::F; R],
 ) {
     for r in 0..R {
         // SAFETY: caller: live activation blocks.
         unsafe {
-            let xd = S::fbcast((*acts[r]).d);
+            let xd = S::fbcast((*acts[r]).d());
             out[r] = S::fmadd(S::cvt(acc[r]), S::mul(d, xd), out[r]);
         }
     }
@@ -1378,22 +1387,10 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
     unsafe {
         let m4 = S::set1_i8(0x0F);
         let m30 = S::set1_i8(0x30);
-        let sb = 4 * Q + j;
-        let sc = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
-        // The sums start at the −32 offset. With i16 sums each lane ends at the sum of 8
-        // products (w − 32) · x, at most 32 · 127 each: 32,512; `maddubs` itself sees two
-        // products of at most 63 · 127, and the wrapping adds in between cancel.
-        let mut a = [S::zero(); R];
-        for r in 0..R {
-            let x = &*acts[r];
-            let init = if S::I16_SUMS { &x.off16p } else { &x.init16 };
-            a[r] = S::bcast(init.as_ptr().add(sb) as *const u8);
-        }
-        let mut b = [S::zero(); R];
         // Base pointers per sub-block, as in [`q4k_sub`].
         let lo_lines = main.add(64 * (16 * (Q % 2) + 4 * j) + 32 * half);
         let hi_lines = main.add(2048 + 256 * j + 32 * half);
-        let line = |t: usize| {
+        let w: [S::I; 4] = std::array::from_fn(|t| {
             let v = S::load(lo_lines.add(64 * t));
             let lo = if Q >= 2 {
                 S::and(S::shr16(v, 4), m4)
@@ -1408,29 +1405,54 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
                 _ => S::shr16(hv, 2),
             };
             S::or(lo, S::and(hb, m30))
-        };
-        let g0 = 16 * Q + 4 * j;
+        });
+        q6k_dot::<S, R>(&w, main, 4 * Q + j, half, acts, sumi);
+    }
+}
+
+/// The dot of Q6_K sub-block `sb` (k-groups `4·sb..4·sb + 4`), its four lines `w` unpacked to
+/// 6-bit values, with every row of the tile: scale · (dot − 32 Σx), added to `sumi`. The same
+/// for both layouts ([`Q6K`], [`Q6KLines`]), which differ only in how the lines are unpacked.
+#[inline(always)]
+unsafe fn q6k_dot<S: Simd, const R: usize>(
+    w: &[S::I; 4],
+    main: *const u8,
+    sb: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let sc = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
+        let g0 = 4 * sb;
+        // The sums start at the −32 offset. With i16 sums each lane ends at the sum of 8
+        // products (w − 32) · x, at most 32 · 127 each: 32,512; `maddubs` itself sees two
+        // products of at most 63 · 127, and the wrapping adds in between cancel.
         if S::I16_SUMS {
-            // Row by row over the four unpacked lines: the rows' i16 sums live one at a time
-            // (two chains of two lines) instead of all `R` across the lines, so the tile's
-            // i32 sums stay in registers (Zen 3, AVX2: 8 rows spilled them on every sub-block).
-            // Wrapping i16 adds in any order end at the same in-range value.
-            let w: [S::I; 4] = std::array::from_fn(line);
+            // Row by row: one row's i16 sums live at a time (two chains of two lines) instead
+            // of all `R` across the lines, so the tile's i32 sums stay in registers (Zen 3,
+            // AVX2: 8 rows spilled them on every sub-block). Wrapping i16 adds in any order
+            // end at the same in-range value.
             let sc = S::dup16(sc);
             for r in 0..R {
                 let x = |t: usize| S::bcast(bcast_q(acts[r], 4 * (g0 + t)));
-                let lo = S::add16(a[r], S::maddubs(w[0], x(0)));
+                let init = S::bcast((*acts[r]).off16p.as_ptr().add(sb) as *const u8);
+                let lo = S::add16(init, S::maddubs(w[0], x(0)));
                 let hi = S::maddubs(w[1], x(1));
                 let lo = S::add16(lo, S::maddubs(w[2], x(2)));
                 let hi = S::add16(hi, S::maddubs(w[3], x(3)));
                 sumi[r] = S::dpwssd(sumi[r], S::add16(lo, hi), sc);
             }
-            return;
+        } else {
+            let mut a: [S::I; R] =
+                std::array::from_fn(|r| S::bcast((*acts[r]).init16.as_ptr().add(sb) as *const u8));
+            let mut b = [S::zero(); R];
+            for (t, &wt) in w.iter().enumerate() {
+                dot_line::<S, _, R>(&mut a, &mut b, wt, acts, 4 * (g0 + t), t % 2 == 1);
+            }
+            add_scaled::<S, R>(sumi, &a, &b, sc);
         }
-        for t in 0..4 {
-            dot_line::<S, _, R>(&mut a, &mut b, line(t), acts, 4 * (g0 + t), t % 2 == 1);
-        }
-        add_scaled::<S, R>(sumi, &a, &b, sc);
     }
 }
 
@@ -1543,11 +1565,7 @@ impl Format for Q4K {
                     q4k_sub::<S, R, true>(main, j, half, acts, &mut sumi);
                 }
             }
-            let d = S::load_f16(aux.add(2 * lanes * half));
-            for r in 0..R {
-                let xd = S::fbcast((*acts[r]).d);
-                out[r] = S::fmadd(S::cvt(sumi[r]), S::mul(d, xd), out[r]);
-            }
+            epi32::<S, _, R>(S::load_f16(aux.add(2 * lanes * half)), &sumi, acts, out);
             let mut summ = [S::zero(); R];
             for p in 0..4 {
                 let mp = S::load_u8_i16(main.add(2048 + 128 + 32 * p + 2 * lanes * half));
@@ -1674,11 +1692,7 @@ impl Format for Q6K {
                     q6k_quad::<S, R>(main, j, half, acts, &mut sumi);
                 }
             }
-            let d = S::load_f16(aux.add(2 * lanes * half));
-            for r in 0..R {
-                let xd = S::fbcast((*acts[r]).d);
-                out[r] = S::fmadd(S::cvt(sumi[r]), S::mul(d, xd), out[r]);
-            }
+            epi32::<S, _, R>(S::load_f16(aux.add(2 * lanes * half)), &sumi, acts, out);
         }
     }
 }
@@ -1712,34 +1726,11 @@ unsafe fn q6k_lines_sub<S: Simd, const R: usize>(
             S::and(S::shr16(l2, 2), S::set1_i8(0x30)),
         );
         let w = [S::and(l0, m3f), S::and(l1, m3f), S::and(l2, m3f), top];
-        let sc = S::load_i8_i32(main.add(3072 + 16 * s + S::LANES * half));
-        let g0 = 4 * s;
-        if S::I16_SUMS {
-            // Row by row, as in [`q6k_sub`]: each lane of a row's i16 sums ends at 8 products
-            // (w − 32) · x of at most 32 · 127, started at the −32 offset.
-            let sc = S::dup16(sc);
-            for r in 0..R {
-                let x = |t: usize| S::bcast(bcast_q(acts[r], 4 * (g0 + t)));
-                let init = S::bcast((*acts[r]).off16p.as_ptr().add(s) as *const u8);
-                let lo = S::add16(init, S::maddubs(w[0], x(0)));
-                let hi = S::maddubs(w[1], x(1));
-                let lo = S::add16(lo, S::maddubs(w[2], x(2)));
-                let hi = S::add16(hi, S::maddubs(w[3], x(3)));
-                sumi[r] = S::dpwssd(sumi[r], S::add16(lo, hi), sc);
-            }
-        } else {
-            let mut a: [S::I; R] =
-                std::array::from_fn(|r| S::bcast((*acts[r]).init16.as_ptr().add(s) as *const u8));
-            let mut b = [S::zero(); R];
-            for (t, &wt) in w.iter().enumerate() {
-                dot_line::<S, _, R>(&mut a, &mut b, wt, acts, 4 * (g0 + t), t % 2 == 1);
-            }
-            add_scaled::<S, R>(sumi, &a, &b, sc);
-        }
+        q6k_dot::<S, R>(&w, main, s, half, acts, sumi);
     }
 }
 
-/// Q6_K in six-bit lines, the layout of the AVX2 path ([`q6k_layout_for`]). Per sub-block of
+/// Q6_K in six-bit lines, the layout of the AVX2 path ([`q6k_in_lines`]). Per sub-block of
 /// 16 values (4 k-groups), three 64-byte lines of the usual column interleave: byte `4·col + i`
 /// of line `t` holds value `4·(4s + t) + i` in bits 0–5 and bits `2t, 2t + 1` of value
 /// `4·(4s + 3) + i` in bits 6–7. Then the 16 × 16 sub-block scales, as in [`Q6K`]; the same
@@ -1814,32 +1805,16 @@ impl Format for Q6KLines {
                 }
                 q6k_lines_sub::<S, R>(main, s, half, acts, &mut sumi);
             }
-            let d = S::load_f16(aux.add(2 * S::LANES * half));
-            for r in 0..R {
-                let xd = S::fbcast((*acts[r]).d);
-                out[r] = S::fmadd(S::cvt(sumi[r]), S::mul(d, xd), out[r]);
-            }
+            epi32::<S, _, R>(S::load_f16(aux.add(2 * S::LANES * half)), &sumi, acts, out);
         }
     }
 }
 
-/// The Q6_K layout for kernel path `isa`: [`Q6KLines`] for AVX2, whose i16 sums leave the
-/// unpacking a large share of the work (one thread, Zen 3), else the bit planes of [`Q6K`].
-pub(crate) fn q6k_layout_for(isa: Isa) -> Q6KLayout {
-    if isa == Isa::Avx2 {
-        Q6KLayout::Lines
-    } else {
-        Q6KLayout::Planes
-    }
-}
-
-/// See [`q6k_layout_for`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Q6KLayout {
-    /// [`Q6K`].
-    Planes,
-    /// [`Q6KLines`].
-    Lines,
+/// Whether kernel path `isa` keeps Q6_K in [`Q6KLines`]: AVX2, whose i16 sums leave the
+/// unpacking a large share of the work (one thread, Zen 3). The others keep the bit planes of
+/// [`Q6K`].
+pub(crate) fn q6k_in_lines(isa: Isa) -> bool {
+    isa == Isa::Avx2
 }
 
 impl Format for Q5_0 {
@@ -1925,7 +1900,7 @@ impl Format for Q5_0 {
                 dot_line::<S, _, R>(&mut a, &mut b, weights(g), acts, 4 * g, g % 2 == 1);
             }
             widen::<S, R>(&mut a, &b);
-            epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
+            epi32::<S, _, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
         }
     }
 }
@@ -2006,7 +1981,7 @@ impl Format for Q8_0 {
                     a[r] = S::add(a[r], b[r]);
                 }
             }
-            epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
+            epi32::<S, _, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
         }
     }
 }
@@ -2076,7 +2051,7 @@ impl Format for Q4_1 {
                 dot_line::<S, _, R>(&mut a, &mut b, w, acts, 4 * g, g % 2 == 1);
             }
             widen::<S, R>(&mut a, &b);
-            epi32::<S, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
+            epi32::<S, _, R>(S::load_f16(aux.add(2 * S::LANES * half)), &a, acts, out);
             let m = S::load_f16(aux.add(32 + 2 * S::LANES * half));
             for r in 0..R {
                 out[r] = S::fmadd(m, S::fbcast((*acts[r]).xs), out[r]);

@@ -526,10 +526,10 @@ pub(crate) fn kernel_from_bytes(
         GgmlDType::Q3K => typed::<BlockQ3K>(n, k, bytes),
         GgmlDType::Q4K => packed::<qkernels::Q4K>(n, k, bytes),
         GgmlDType::Q5K => typed::<BlockQ5K>(n, k, bytes),
-        GgmlDType::Q6K => match qkernels::q6k_layout_for(qkernels::isa()) {
-            qkernels::Q6KLayout::Planes => packed::<qkernels::Q6K>(n, k, bytes),
-            qkernels::Q6KLayout::Lines => packed::<qkernels::Q6KLines>(n, k, bytes),
-        },
+        GgmlDType::Q6K if qkernels::q6k_in_lines(qkernels::isa()) => {
+            packed::<qkernels::Q6KLines>(n, k, bytes)
+        }
+        GgmlDType::Q6K => packed::<qkernels::Q6K>(n, k, bytes),
         GgmlDType::Q8K => typed::<BlockQ8K>(n, k, bytes),
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => Err(EngineError::Load(format!(
             "{dtype:?} is not a block-quantized type"
@@ -690,10 +690,10 @@ pub fn kernel_report(
     }
     Ok(match dtype {
         GgmlDType::Q4K => go::<qkernels::Q4K>(isa, &w, &x, n, k, m, copies),
-        GgmlDType::Q6K => match qkernels::q6k_layout_for(isa) {
-            qkernels::Q6KLayout::Planes => go::<qkernels::Q6K>(isa, &w, &x, n, k, m, copies),
-            qkernels::Q6KLayout::Lines => go::<qkernels::Q6KLines>(isa, &w, &x, n, k, m, copies),
-        },
+        GgmlDType::Q6K if qkernels::q6k_in_lines(isa) => {
+            go::<qkernels::Q6KLines>(isa, &w, &x, n, k, m, copies)
+        }
+        GgmlDType::Q6K => go::<qkernels::Q6K>(isa, &w, &x, n, k, m, copies),
         GgmlDType::Q5_0 => go::<qkernels::Q5_0>(isa, &w, &x, n, k, m, copies),
         GgmlDType::Q8_0 => go::<qkernels::Q8_0>(isa, &w, &x, n, k, m, copies),
         GgmlDType::Q4_1 => go::<qkernels::Q4_1>(isa, &w, &x, n, k, m, copies),
