@@ -1,7 +1,7 @@
 //! One repacked kernel in a loop, for profiling it alone (`perf record` sees nothing else):
-//! `cargo run --release -p sequoia-engine --example kernel_loop -- FORMAT ROWS COPIES REPS`,
-//! e.g. `… -- Q4K 8 1 20`. Each rep times the 8960 × 1536 gate/up shape on the AVX-512 VNNI path,
-//! one thread, as `sequoia engine-bench --kernels` does. COPIES = 1 keeps the weights in cache
+//! `cargo run --release -p sequoia-engine --example kernel_loop -- FORMAT ROWS COPIES REPS [ISA]`,
+//! e.g. `… -- Q4K 8 1 20 amx`. Each rep times the 8960 × 1536 gate/up shape on one ISA path
+//! (default `avx512vnni`), one thread, as `sequoia engine-bench --kernels` does. COPIES = 1 keeps the weights in cache
 //! (the kernel's arithmetic alone); 64 streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the
 //! prefetch distance.
 
@@ -16,8 +16,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let format = args.first().map_or("Q4K", String::as_str);
     let (rows, copies, reps) = (arg(1, 8)?, arg(2, 1)?, arg(3, 20)?);
+    let isa_name = args.get(4).map_or("avx512vnni", String::as_str);
+    let isa = kernels::Isa::from_name(isa_name).ok_or(format!("unknown ISA {isa_name}"))?;
+    if !isa.available() {
+        return Err(format!("this CPU has no {isa_name} path").into());
+    }
     for _ in 0..reps {
-        let t = kernels::bench(kernels::Isa::Avx512Vnni, format, 8960, 1536, rows, copies)?;
+        let t = kernels::bench(isa, format, 8960, 1536, rows, copies)?;
         println!(
             "{format} rows={rows} copies={copies}: {:.3} ms {:.1} G MAC/s",
             t.ns / 1e6,
