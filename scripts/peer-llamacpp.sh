@@ -141,7 +141,7 @@ CPU_MODEL=$( (lscpu 2>/dev/null | sed -n 's/^Model name: *//p' | head -1) || tru
 [[ -n $CPU_MODEL ]] || CPU_MODEL=$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || echo unknown)
 flag_summary() {
     local f out=""
-    for f in avx2 avx512f avx512_vnni avx512_vbmi avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16; do
+    for f in avx2 avx512f avx512_vnni avx512vbmi avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16; do
         if has_flag "$f"; then out+="$f=yes "; else out+="$f=no "; fi
     done
     echo "${out% }"
@@ -219,7 +219,7 @@ isa_args() {
     if [[ $kind == native ]]; then
         # AMX machine: explicit AVX-512 (+VNNI), AMX off (GGML_NATIVE=ON faulted there).
         on=(GGML_AVX GGML_AVX2 GGML_FMA GGML_F16C GGML_BMI2 GGML_AVX512 GGML_AVX512_VNNI)
-        has_flag avx512_vbmi && on+=(GGML_AVX512_VBMI) || off+=(GGML_AVX512_VBMI)
+        has_flag avx512vbmi && on+=(GGML_AVX512_VBMI) || off+=(GGML_AVX512_VBMI)
         has_flag avx512_bf16 && on+=(GGML_AVX512_BF16) || off+=(GGML_AVX512_BF16)
         has_flag avx_vnni && on+=("$vnni_opt") || off+=("$vnni_opt")
         off+=(GGML_AMX_TILE GGML_AMX_INT8 GGML_AMX_BF16)
