@@ -1,9 +1,9 @@
 //! One repacked kernel in a loop, for profiling it alone (`perf record` sees nothing else):
 //! `cargo run --release -p sequoia-engine --example kernel_loop -- FORMAT ROWS COPIES REPS [ISA]`,
-//! e.g. `… -- Q4K 8 1 20 amx`. Each rep times the 8960 × 1536 gate/up shape on one ISA path
-//! (default `avx512vnni`), one thread, as `sequoia engine-bench --kernels` does. COPIES = 1 keeps the weights in cache
-//! (the kernel's arithmetic alone); 64 streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the
-//! prefetch distance.
+//! e.g. `… -- Q4K 8 1 20 avx2`. Each rep times the 8960 × 1536 gate/up shape on one ISA path
+//! (`SEQUOIA_KERNEL_ISA`'s names; default `avx512vnni`), one thread, as `sequoia engine-bench
+//! --kernels` does. COPIES = 1 keeps the weights in cache (the kernel's arithmetic alone); 64
+//! streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the prefetch distance.
 
 use sequoia_engine::kernels;
 
