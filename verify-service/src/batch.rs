@@ -124,14 +124,18 @@ enum Done {
 /// Rows the waiting prefills may take together in a batch (module doc, step 4): the whole
 /// budget on a node with nothing but prefills to do; while any other session is running (its
 /// tree is in this batch, or it is between steps and may send one while this forward runs), as
-/// many rows as add `prefill_share` of the forward time of `tree_rows` rows of trees at the
-/// fitted `cost` (fixed ms, ms per row), but at least one per `prefilling` session (a prompt
-/// waiting behind others is not starved) and at most `prefill_chunk`; the whole chunk before
-/// the node has a fit.
+/// many rows as keep the forward within `1 + prefill_share` times what the trees of every open
+/// session take (`load_rows`: the open sessions times their mean tree size, and at least the
+/// `tree_rows` of this batch) at the fitted `cost` (fixed ms, ms per row). Once every session
+/// runs, that is `prefill_share` of the batch's own trees; while new prompts are still coming
+/// in, it is more, and those sessions join the batches sooner. At least one row per
+/// `prefilling` session (a prompt waiting behind others is not starved) and at most
+/// `prefill_chunk`; the whole chunk before the node has a fit.
 fn prefill_budget(
     config: &BatchConfig,
     others_running: bool,
     tree_rows: f64,
+    load_rows: f64,
     prefilling: usize,
     cost: Option<(f64, f64)>,
 ) -> usize {
@@ -142,7 +146,8 @@ fn prefill_budget(
         return config.prefill_chunk;
     };
     let trees_ms = fixed_ms + row_ms * tree_rows;
-    let rows = (config.prefill_share * trees_ms / row_ms).floor() as usize;
+    let loaded_ms = fixed_ms + row_ms * load_rows.max(tree_rows);
+    let rows = (((1.0 + config.prefill_share) * loaded_ms - trees_ms) / row_ms).floor() as usize;
     rows.max(prefilling).clamp(1, config.prefill_chunk)
 }
 
@@ -283,6 +288,9 @@ struct Runner {
     /// Running mean of tree rows in batches that had trees: what the running sessions' next
     /// batch will likely hold when this one has none yet (they are between steps).
     tree_rows: f64,
+    /// Running mean of rows per tree: with the open sessions, the rows their trees will take
+    /// once the prompts now being prefilled run too.
+    rows_per_tree: f64,
 }
 
 /// One job's part of a batch: how many of its tokens go in.
@@ -308,6 +316,7 @@ impl Runner {
             busy: Duration::ZERO,
             row_cost: RowCost::default(),
             tree_rows: 0.0,
+            rows_per_tree: 1.0,
         }
     }
 
@@ -373,6 +382,7 @@ impl Runner {
         let mut batch = Vec::new();
         let mut rows = 0;
         let mut rest = VecDeque::with_capacity(self.queue.len());
+        let mut trees = 0usize;
         let mut trees_done = false;
         let mut prefills = Vec::new();
         while let Some(job) = self.queue.pop_front() {
@@ -381,6 +391,7 @@ impl Runner {
                     let n = t.tree.len();
                     if rows == 0 || rows + n <= max_rows {
                         rows += n;
+                        trees += 1;
                         batch.push(Slot { job, rows: n });
                     } else {
                         trees_done = true;
@@ -397,12 +408,15 @@ impl Runner {
         let others_running = rows > 0 || self.admission.active() > prefills.len();
         if rows > 0 {
             self.tree_rows += TREE_ROWS_GAIN * (rows as f64 - self.tree_rows);
+            let per_tree = rows as f64 / trees as f64;
+            self.rows_per_tree += TREE_ROWS_GAIN * (per_tree - self.rows_per_tree);
         }
         let fit = self.row_cost.fit();
         let mut budget = prefill_budget(
             &self.config,
             others_running,
             (rows as f64).max(self.tree_rows),
+            self.admission.active() as f64 * self.rows_per_tree,
             prefills.len(),
             fit,
         );
@@ -564,17 +578,17 @@ mod tests {
     fn prefills_take_a_small_chunk_while_others_run_and_the_whole_budget_alone() {
         let config = BatchConfig::default();
         assert_eq!(
-            prefill_budget(&config, false, 8.0, 1, None),
+            prefill_budget(&config, false, 8.0, 8.0, 1, None),
             config.max_rows
         );
         assert_eq!(
-            prefill_budget(&config, false, 8.0, 1, Some((40.0, 11.0))),
+            prefill_budget(&config, false, 8.0, 8.0, 1, Some((40.0, 11.0))),
             config.max_rows
         );
         // Trees in the batch, or another session between steps: its next tree must not wait
         // behind a whole row budget of prompt. Before the node knows its costs, the chunk.
         assert_eq!(
-            prefill_budget(&config, true, 8.0, 1, None),
+            prefill_budget(&config, true, 8.0, 8.0, 1, None),
             config.prefill_chunk
         );
         assert!(config.prefill_chunk < config.max_rows / 2);
@@ -584,8 +598,8 @@ mod tests {
             prefill_chunk: 32,
             ..BatchConfig::default()
         };
-        assert_eq!(prefill_budget(&wide, false, 0.0, 1, None), 32);
-        assert_eq!(prefill_budget(&wide, true, 0.0, 1, None), 32);
+        assert_eq!(prefill_budget(&wide, false, 0.0, 0.0, 1, None), 32);
+        assert_eq!(prefill_budget(&wide, true, 0.0, 0.0, 1, None), 32);
     }
 
     #[test]
@@ -596,23 +610,35 @@ mod tests {
         };
         // Bound by memory: 40 ms to read the weights, 1 ms per row. 8 rows of trees take 48
         // ms; a quarter of that buys 12 rows.
-        assert_eq!(prefill_budget(&config, true, 8.0, 1, Some((40.0, 1.0))), 12);
+        assert_eq!(
+            prefill_budget(&config, true, 8.0, 8.0, 1, Some((40.0, 1.0))),
+            12
+        );
         // Faster still: capped at the chunk.
         assert_eq!(
-            prefill_budget(&config, true, 8.0, 1, Some((40.0, 0.2))),
+            prefill_budget(&config, true, 8.0, 8.0, 1, Some((40.0, 0.2))),
             config.prefill_chunk
         );
         // Bound by compute (AVX2 without int8 dot products): 11 ms per row, so 8 rows of trees
         // take 128 ms and a quarter of that is 2 rows, where 16 would have more than doubled
         // every running session's step.
-        assert_eq!(prefill_budget(&config, true, 8.0, 1, Some((40.0, 11.0))), 2);
-        // More trees, more room; nothing affordable still advances the prompt by a row.
-        assert!(prefill_budget(&config, true, 32.0, 1, Some((40.0, 11.0))) > 2);
-        assert_eq!(prefill_budget(&config, true, 0.0, 1, Some((1.0, 50.0))), 1);
-        // Every waiting prompt advances by a row per batch, however little that buys.
-        assert_eq!(prefill_budget(&config, true, 0.0, 5, Some((1.0, 50.0))), 5);
         assert_eq!(
-            prefill_budget(&config, true, 0.0, 40, Some((1.0, 50.0))),
+            prefill_budget(&config, true, 8.0, 8.0, 1, Some((40.0, 11.0))),
+            2
+        );
+        // More trees, more room; nothing affordable still advances the prompt by a row.
+        assert!(prefill_budget(&config, true, 32.0, 32.0, 1, Some((40.0, 11.0))) > 2);
+        assert_eq!(
+            prefill_budget(&config, true, 0.0, 0.0, 1, Some((1.0, 50.0))),
+            1
+        );
+        // Every waiting prompt advances by a row per batch, however little that buys.
+        assert_eq!(
+            prefill_budget(&config, true, 0.0, 0.0, 5, Some((1.0, 50.0))),
+            5
+        );
+        assert_eq!(
+            prefill_budget(&config, true, 0.0, 0.0, 40, Some((1.0, 50.0))),
             config.prefill_chunk
         );
         // A larger share buys more rows (the default is half the trees' time).
@@ -621,13 +647,31 @@ mod tests {
             ..BatchConfig::default()
         };
         assert_eq!(
-            prefill_budget(&generous, true, 8.0, 1, Some((40.0, 11.0))),
+            prefill_budget(&generous, true, 8.0, 8.0, 1, Some((40.0, 11.0))),
             11
         );
         let default = BatchConfig::default();
         assert_eq!(
-            prefill_budget(&default, true, 8.0, 1, Some((40.0, 11.0))),
+            prefill_budget(&default, true, 8.0, 8.0, 1, Some((40.0, 11.0))),
             5
+        );
+    }
+
+    #[test]
+    fn prefills_take_more_while_new_sessions_have_not_joined_the_batches_yet() {
+        let config = BatchConfig::default();
+        let cost = Some((40.0, 11.0));
+        // Eight sessions open, two of them running one-row trees: the running steps may cost
+        // up to 1.5 times what all eight sessions' trees will (40 + 88 ms), so the prompts
+        // get the rows that fills, not half of two rows' forward.
+        let alone = prefill_budget(&config, true, 2.0, 2.0, 6, cost);
+        let loaded = prefill_budget(&config, true, 2.0, 8.0, 6, cost);
+        assert_eq!(alone, 6, "one row per waiting prompt");
+        assert_eq!(loaded, 11, "(1.5 · 128 − 62) / 11 rows");
+        // Once every session runs, the rule is the plain share of the batch's own trees.
+        assert_eq!(
+            prefill_budget(&config, true, 8.0, 8.0, 1, cost),
+            prefill_budget(&config, true, 8.0, 3.0, 1, cost)
         );
     }
 

@@ -15,13 +15,19 @@
 //! - `tree`: the recorded trees, whole;
 //! - `load-aware`: before each step the session cuts the recorded tree to the size n that
 //!   maximizes expected tokens / t_v(n · S), where t_v is the node's measured forward time
-//!   (`Profile`) and S the sessions in its last batch (the verdict's `batch_sessions`): every
-//!   session sending a tree like this one. This is the rule the draft's planner follows;
+//!   (`Profile`), S the sessions in its last batch (the verdict's `batch_sessions`): every
+//!   session sending a tree like this one, and the expected tokens are what the recorded trees
+//!   cut to n nodes commit on average over the recording (the acceptance the draft's running
+//!   estimate converges to). This is the rule the draft's planner follows;
 //! - `plain`: root-only trees, i.e. the target alone decoding N sessions.
+//!
+//! The batched and unbatched nodes run side by side and take turns row by row, so that a slow
+//! spell of the host does not fall on one side of a ratio only. Besides the figures from each
+//! row's start (prefill included), a row reports the stretch in which every session was
+//! decoding: the node's throughput under the full load.
 
 use super::*;
 use sequoia_core::planner::cost::CostCurve;
-use sequoia_core::planner::expected_tokens;
 use sequoia_core::sampling::SamplingParams;
 use sequoia_core::tree::Tree;
 use sequoia_engine::drafting::DraftSession;
@@ -69,7 +75,8 @@ pub struct CapacityArgs {
     /// The batched node's `batch.max_wait_us` (default: the service's own).
     #[arg(long)]
     pub max_wait_us: Option<u64>,
-    /// Print the JSON report to stdout instead of the table.
+    /// Print the JSON report to stdout instead of the table. (Every row's steps are written to
+    /// `OUT/logs/steps-N-METHOD-on|off.csv`.)
     #[arg(long)]
     pub json: bool,
 }
@@ -92,6 +99,37 @@ struct Recording {
     nodes: usize,
     max_tokens: usize,
     prompts: Vec<Recorded>,
+}
+
+impl Recording {
+    /// Mean tokens a step commits (accepted nodes plus the target's own token) with the
+    /// recorded trees cut to their first n nodes, n = 1..=`full`, over every recorded position:
+    /// the acceptance these trees actually have on these prompts, which is what the draft's
+    /// running estimate converges to (the planner's input in the service).
+    fn tokens_per_step(&self, full: usize) -> Vec<f64> {
+        let mut sums = vec![0.0; full];
+        let mut positions = 0usize;
+        for p in &self.prompts {
+            for (c, (parents, tokens)) in p.trees.iter().enumerate() {
+                positions += 1;
+                for (n, sum) in sums.iter_mut().enumerate().map(|(i, s)| (i + 1, s)) {
+                    let n = n.min(parents.len());
+                    let (mut node, mut depth) = (0usize, 0usize);
+                    while let Some(child) = (1..n).find(|&i| {
+                        parents[i] == node as i32
+                            && p.continuation.get(c + depth) == Some(&tokens[i])
+                    }) {
+                        node = child;
+                        depth += 1;
+                    }
+                    // The step commits the accepted path and one token of the target's, but
+                    // never past the continuation's end.
+                    *sum += (depth + 1).min(p.continuation.len() - c) as f64;
+                }
+            }
+        }
+        sums.iter().map(|s| s / positions.max(1) as f64).collect()
+    }
 }
 
 /// How a replayed session picks each step's tree.
@@ -175,6 +213,16 @@ pub struct CapacityRow {
     pub wall_s: f64,
     /// Mean sessions per forward, as the verdicts reported them.
     pub mean_batch_sessions: f64,
+    /// Seconds until every session had its prompt prefilled (its `open` answered).
+    pub all_open_s: f64,
+    /// The stretch in which every session was decoding: from the last session's first tree
+    /// to the first session's last verdict (0 where the sessions never all decoded at once).
+    pub steady_s: f64,
+    /// Committed tokens per second in that stretch (verdicts that arrived in it): the node's
+    /// throughput with all N sessions running, without the prompts' prefill or the tail.
+    pub steady_tokens_per_second: f64,
+    /// Mean sessions per forward in that stretch.
+    pub steady_batch_sessions: f64,
 }
 
 pub fn capacity(args: &CapacityArgs) -> Result<()> {
@@ -200,46 +248,69 @@ pub fn capacity(args: &CapacityArgs) -> Result<()> {
             other => bail!("--batching takes on and/or off, got {other:?}"),
         }
     }
-    for batched in settings {
-        let (_svc, url) = start_verify(args, &target, batched, &rt)?;
+    // Both nodes up at once and the settings alternated row by row, so a slow spell of the
+    // host lands on both sides of a ratio rather than on one.
+    let mut nodes = Vec::new();
+    for &batched in &settings {
+        let (svc, url) = start_verify(args, &target, batched, &rt)?;
         let curve = rt.block_on(verify_curve(&url, &recording))?;
         eprintln!(
             "== verify forward times (batching {batched}): {:?} ms at sizes {:?}",
             curve.ms, curve.sizes
         );
-        let shape = Tree::from_parents(&recording.prompts[0].trees[0].0)?;
-        let expected: Vec<f64> = (1..=shape.len())
-            .map(|n| {
-                let cut =
-                    Tree::from_parents(&shape.parents()[..n]).expect("a BFS prefix is a tree");
-                expected_tokens(&cut, &EXAMPLE_ACCEPTANCE)
-            })
-            .collect();
-        for &n in &args.sessions {
-            for method in [Method::Tree, Method::LoadAware, Method::Plain] {
+        nodes.push((batched, svc, url, curve));
+    }
+    let shape = Tree::from_parents(&recording.prompts[0].trees[0].0)?;
+    let expected = recording.tokens_per_step(shape.len());
+    eprintln!(
+        "== tokens per step of the recorded trees cut to n nodes, n = 1..{}: {}",
+        shape.len(),
+        expected
+            .iter()
+            .map(|e| format!("{e:.2}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    for &n in &args.sessions {
+        for method in [Method::Tree, Method::LoadAware, Method::Plain] {
+            for (batched, _svc, url, curve) in &nodes {
                 eprintln!(
                     "== {n} sessions, {}, batching {}",
                     method.name(),
-                    if batched { "on" } else { "off" }
+                    if *batched { "on" } else { "off" }
                 );
                 let policy = Policy {
                     method,
                     curve: curve.clone(),
                     expected: expected.clone(),
                 };
-                let row = rt.block_on(replay(&url, &recording, n, policy, batched))?;
+                let row = rt.block_on(replay(
+                    url,
+                    &recording,
+                    n,
+                    policy,
+                    *batched,
+                    Some(&args.out_dir.join("logs")),
+                ))?;
                 eprintln!(
-                    "   {:.1} tok/s, {:.2} tokens/step, p50 {:.0} ms, p99 {:.0} ms, {:.1} sessions per forward",
+                    "   {:.1} tok/s, {:.2} tokens/step, p50 {:.0} ms, p99 {:.0} ms, {:.1} sessions per forward; \
+                     all prompts in at {:.1} s; all decoding for {:.1} s: {:.1} tok/s, {:.1} sessions per forward",
                     row.aggregate_tokens_per_second,
                     row.mean_tokens_per_step,
                     row.p50_step_ms,
                     row.p99_step_ms,
-                    row.mean_batch_sessions
+                    row.mean_batch_sessions,
+                    row.all_open_s,
+                    row.steady_s,
+                    row.steady_tokens_per_second,
+                    row.steady_batch_sessions
                 );
                 rows.push(row);
             }
         }
     }
+    // The table lists rows by setting, then sessions, as before.
+    rows.sort_by_key(|r| (!r.batched, r.sessions));
     let report = serde_json::json!({
         "draft": args.draft,
         "target": args.target,
@@ -266,7 +337,10 @@ pub fn capacity(args: &CapacityArgs) -> Result<()> {
 fn markdown(args: &CapacityArgs, rows: &[CapacityRow]) -> String {
     let mut s = format!(
         "Verify node capacity: target {}, trees of {} nodes recorded with {}, {} new tokens per session, verify threads {}.\n\n\
-         | sessions | method | batching | tokens/s | vs same method, batching off | vs plain (same N, same batching) | tokens/step | p50 step ms | p99 step ms |\n|---|---|---|---|---|---|---|---|---|\n",
+         Tokens/s counts from the row's start (every prompt's prefill included) to its last verdict; \
+         \"all decoding\" counts only the stretch in which every session was past its prefill and \
+         not yet done.\n\n\
+         | sessions | method | batching | tokens/s | vs same method, batching off | vs plain (same N, same batching) | tokens/step | p50 step ms | p99 step ms | all decoding: tokens/s | vs same method, batching off | sessions per forward |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         args.target,
         args.nodes,
         args.draft,
@@ -293,13 +367,20 @@ fn markdown(args: &CapacityArgs, rows: &[CapacityRow]) -> String {
         } else {
             "—".into()
         };
+        let steady_vs_off = match (r.batched, find(r.sessions, &r.method, false)) {
+            (true, Some(o)) if o.steady_tokens_per_second > 0.0 => format!(
+                "{:.2}×",
+                r.steady_tokens_per_second / o.steady_tokens_per_second
+            ),
+            _ => "—".into(),
+        };
         let vs_plain = if r.method != "plain" {
             ratio(find(r.sessions, "plain", r.batched))
         } else {
             "—".into()
         };
         s += &format!(
-            "| {} | {} | {} | {:.1} | {} | {} | {:.2} | {:.0} | {:.0} |\n",
+            "| {} | {} | {} | {:.1} | {} | {} | {:.2} | {:.0} | {:.0} | {:.1} | {} | {:.1} |\n",
             r.sessions,
             r.method,
             if r.batched { "on" } else { "off" },
@@ -308,7 +389,10 @@ fn markdown(args: &CapacityArgs, rows: &[CapacityRow]) -> String {
             vs_plain,
             r.mean_tokens_per_step,
             r.p50_step_ms,
-            r.p99_step_ms
+            r.p99_step_ms,
+            r.steady_tokens_per_second,
+            steady_vs_off,
+            r.steady_batch_sessions
         );
     }
     s
@@ -453,6 +537,7 @@ async fn replay(
     n: usize,
     policy: Policy,
     batched: bool,
+    trace: Option<&std::path::Path>,
 ) -> Result<CapacityRow> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())?
         .connect()
@@ -469,19 +554,57 @@ async fn replay(
         );
         let policy = policy.clone();
         tasks.push(tokio::spawn(async move {
-            replay_session(client, ids, cont, trees, &policy).await
+            replay_session(client, ids, cont, trees, &policy, t0).await
         }));
     }
-    let mut steps_ms = Vec::new();
-    let (mut tokens, mut steps, mut batch_sessions) = (0, 0, 0usize);
+    let mut runs = Vec::new();
     for t in tasks {
-        let (lat, committed, sessions_seen) = t.await??;
-        steps += lat.len();
-        tokens += committed;
-        batch_sessions += sessions_seen;
-        steps_ms.extend(lat);
+        runs.push(t.await??);
     }
     let wall = t0.elapsed().as_secs_f64();
+    if let Some(dir) = trace {
+        // Every step of the row, for a look at where the slow ones fall.
+        let mut csv = String::from("session,opened_s,start_s,end_s,tokens,batch_sessions\n");
+        for (i, r) in runs.iter().enumerate() {
+            for st in &r.steps {
+                csv += &format!(
+                    "{i},{:.4},{:.4},{:.4},{},{}\n",
+                    r.opened, st.start, st.end, st.tokens, st.sessions
+                );
+            }
+        }
+        let name = format!(
+            "steps-{n}-{}-{}.csv",
+            policy.method.name(),
+            if batched { "on" } else { "off" }
+        );
+        std::fs::write(dir.join(name), csv)?;
+    }
+    let steps: usize = runs.iter().map(|r| r.steps.len()).sum();
+    let tokens: usize = runs.iter().map(|r| r.committed).sum();
+    let batch_sessions: usize = runs.iter().flat_map(|r| &r.steps).map(|s| s.sessions).sum();
+    let mut steps_ms: Vec<f64> = runs
+        .iter()
+        .flat_map(|r| &r.steps)
+        .map(|s| (s.end - s.start) * 1e3)
+        .collect();
+    let all_open = runs.iter().map(|r| r.opened).fold(0.0, f64::max);
+    // Every session decoding: after the last one's first tree, before the first one's end.
+    let from = runs
+        .iter()
+        .filter_map(|r| r.steps.first().map(|s| s.start))
+        .fold(0.0, f64::max);
+    let to = runs
+        .iter()
+        .filter_map(|r| r.steps.last().map(|s| s.end))
+        .fold(f64::INFINITY, f64::min);
+    let steady: Vec<&StepRecord> = runs
+        .iter()
+        .flat_map(|r| &r.steps)
+        .filter(|s| s.end > from && s.end <= to)
+        .collect();
+    let steady_s = (to - from).max(0.0);
+    let steady_tokens: usize = steady.iter().map(|s| s.tokens).sum();
     steps_ms.sort_by(f64::total_cmp);
     let pct = |q: f64| steps_ms[((steps_ms.len() as f64 - 1.0) * q).round() as usize];
     Ok(CapacityRow {
@@ -496,18 +619,45 @@ async fn replay(
         tokens,
         wall_s: wall,
         mean_batch_sessions: batch_sessions as f64 / steps.max(1) as f64,
+        all_open_s: all_open,
+        steady_s,
+        steady_tokens_per_second: if steady_s > 0.0 {
+            steady_tokens as f64 / steady_s
+        } else {
+            0.0
+        },
+        steady_batch_sessions: steady.iter().map(|s| s.sessions).sum::<usize>() as f64
+            / steady.len().max(1) as f64,
     })
 }
 
-/// One session: returns each step's latency (ms), the tokens committed and the sum over steps
-/// of the sessions its verdicts said shared the forward.
+/// One replayed step, times in seconds since the row started.
+struct StepRecord {
+    start: f64,
+    end: f64,
+    /// Tokens the step committed.
+    tokens: usize,
+    /// Sessions in the forward that verified it.
+    sessions: usize,
+}
+
+/// One replayed session.
+struct SessionRun {
+    /// When its `open` (the prompt's prefill) was answered, seconds since the row started.
+    opened: f64,
+    steps: Vec<StepRecord>,
+    committed: usize,
+}
+
+/// One session, to the end of its continuation; times are taken from `t0`, the row's start.
 async fn replay_session(
     mut client: VerifierClient<tonic::transport::Channel>,
     ids: Vec<u32>,
     cont: Vec<u32>,
     trees: Vec<(Vec<i32>, Vec<u32>)>,
     policy: &Policy,
-) -> Result<(Vec<f64>, usize, usize)> {
+    t0: Instant,
+) -> Result<SessionRun> {
     let (tx, rx) = tokio::sync::mpsc::channel(2);
     tx.send(pb::SessionRequest {
         msg: Some(pb::session_request::Msg::Open(pb::OpenSession {
@@ -524,16 +674,17 @@ async fn replay_session(
         Some(pb::session_response::Msg::Opened(_)) => {}
         other => bail!("expected the session to open, got {other:?}"),
     }
+    let opened = t0.elapsed().as_secs_f64();
     let mut committed = 0usize;
-    let mut latencies = Vec::new();
+    let mut records = Vec::new();
     let mut step = 0u64;
-    let (mut sessions, mut sessions_seen) = (1usize, 0usize);
+    let mut sessions = 1usize;
     while committed < cont.len() {
         let (parents, tokens) = &trees[committed];
         let n = policy.nodes(parents.len(), sessions);
         // A BFS prefix of a tree is a tree; the recorded root is the last committed token.
         let (parents, tokens) = (parents[..n].to_vec(), tokens[..n].to_vec());
-        let t = Instant::now();
+        let start = t0.elapsed().as_secs_f64();
         tx.send(pb::SessionRequest {
             msg: Some(pb::session_request::Msg::Tree(pb::VerifyTree {
                 step,
@@ -548,9 +699,8 @@ async fn replay_session(
             Some(pb::session_response::Msg::Verdict(v)) => v,
             other => bail!("expected a verdict, got {other:?}"),
         };
-        latencies.push(t.elapsed().as_secs_f64() * 1e3);
+        let end = t0.elapsed().as_secs_f64();
         sessions = (v.batch_sessions as usize).clamp(1, 1024);
-        sessions_seen += sessions;
         // Exactness: the accepted tokens and the next one are the target's continuation.
         let mut got: Vec<u32> = v
             .accepted_nodes
@@ -558,14 +708,52 @@ async fn replay_session(
             .map(|&i| tokens.get(i as usize).copied().unwrap_or(u32::MAX))
             .collect();
         got.push(v.next_token);
-        let end = (committed + got.len()).min(cont.len());
-        if got[..end - committed] != cont[committed..end] {
+        let last = (committed + got.len()).min(cont.len());
+        if got[..last - committed] != cont[committed..last] {
             bail!(
                 "replay diverged from the target's greedy continuation at token {committed}: the verify node is not exact"
             );
         }
-        committed = end;
+        records.push(StepRecord {
+            start,
+            end,
+            tokens: last - committed,
+            sessions,
+        });
+        committed = last;
         step += 1;
     }
-    Ok((latencies, committed, sessions_seen))
+    Ok(SessionRun {
+        opened,
+        steps: records,
+        committed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_per_step_follow_the_continuation_through_each_cut() {
+        // Root 0 with children 1 ("a") and 2 ("b"); node 3 ("c") under 2.
+        let tree = (vec![-1, 0, 0, 2], vec![9, 10, 11, 12]);
+        let rec = Recording {
+            draft: String::new(),
+            target: String::new(),
+            nodes: 4,
+            max_tokens: 4,
+            prompts: vec![Recorded {
+                prompt: vec![1, 9],
+                // Position 0 follows node 2 then 3; position 1 matches nothing; position 2 is
+                // one token from the end.
+                continuation: vec![11, 12, 5, 6],
+                trees: vec![tree.clone(), tree.clone(), tree.clone(), tree],
+            }],
+        };
+        let e = rec.tokens_per_step(4);
+        // n = 1: every step commits the target's token only. n = 2: node 1 ("10") never
+        // matches. n = 3: position 0 accepts node 2. n = 4: position 0 accepts 2 and 3.
+        assert_eq!(e, vec![1.0, 1.0, 1.25, 1.5]);
+    }
 }
