@@ -15,8 +15,10 @@
 //!    session's step costs at most a forward of its batch's trees plus that chunk, not a whole
 //!    row budget of someone's prompt (that made the slowest steps at 8 sessions 10× a lone
 //!    session's); a long new prompt still advances every batch, by at least one row. The chunk
-//!    is what `prefill_share` of the trees' forward time buys at this node's measured cost per
-//!    row ([`RowCost`]), at most `prefill_chunk` rows: a node whose forwards are bound by memory
+//!    is what keeps the forward within `1 + prefill_share` times the forward of every open
+//!    session's trees, at this node's measured cost per row ([`RowCost`]): `prefill_share` of
+//!    the batch's trees once all sessions run, more while the prompts of sessions that will
+//!    soon run are still coming in. At most `prefill_chunk` rows: a node whose forwards are bound by memory
 //!    takes the whole chunk almost free, one bound by compute (a CPU without int8 dot products)
 //!    takes a few rows. When every open session is prefilling, the prefills take the whole row
 //!    budget, so a prompt on an idle node runs at full speed.
