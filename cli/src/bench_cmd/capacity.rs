@@ -27,7 +27,7 @@
 //! decoding: the node's throughput under the full load.
 
 use super::*;
-use sequoia_core::planner::cost::CostCurve;
+use sequoia_core::planner::cost::{tree_pays_under_load, CostCurve};
 use sequoia_core::sampling::SamplingParams;
 use sequoia_core::tree::Tree;
 use sequoia_engine::drafting::DraftSession;
@@ -165,12 +165,18 @@ impl Policy {
         match self.method {
             Method::Tree => full,
             Method::Plain => 1,
-            Method::LoadAware => (1..=full.min(self.expected.len()))
-                .max_by(|&a, &b| {
-                    let rate = |n: usize| self.expected[n - 1] / self.curve.at(n * sessions);
-                    rate(a).total_cmp(&rate(b))
-                })
-                .unwrap_or(1),
+            Method::LoadAware => {
+                let rate = |n: usize| self.expected[n - 1] / self.curve.at(n * sessions);
+                let best = (1..=full.min(self.expected.len()))
+                    .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
+                    .unwrap_or(1);
+                // The planner's margin under load (`LOAD_MARGIN`).
+                if tree_pays_under_load(sessions as f64, rate(best), rate(1)) {
+                    best
+                } else {
+                    1
+                }
+            }
         }
     }
 }

@@ -562,6 +562,29 @@ pub fn predict_decode(profile: &Profile, k: usize) -> Prediction {
     }
 }
 
+/// Past this many sessions per batch (smoothed, from the verdicts), a tree must be predicted
+/// [`LOAD_MARGIN`] faster than plain decoding to be chosen. Under load the forward is near
+/// the point where every row costs its full share, the loaded prices of a tree and of plain
+/// decoding come within a few percent of each other, and which one wins is the cost curve's
+/// noise; the rows a tree adds also slow the prompts of sessions still being prefilled, which
+/// the price does not count. (At 16 sessions on a 2-core Xeon, `sequoia bench capacity`:
+/// 2-node trees at a predicted tie ran at 0.56× plain decoding; BENCHMARKS.md, session 21.)
+pub const LOADED_SESSIONS: f64 = 1.5;
+
+/// The predicted gain over plain decoding a tree needs under load (see [`LOADED_SESSIONS`]).
+pub const LOAD_MARGIN: f64 = 0.1;
+
+/// Whether a tree predicted at `tree_speedup` may be chosen over plain decoding predicted at
+/// `plain_speedup` (both at the loaded prices) on a node batching `load_sessions` sessions:
+/// by any gain alone, by [`LOAD_MARGIN`] under load.
+pub fn tree_pays_under_load(load_sessions: f64, tree_speedup: f64, plain_speedup: f64) -> bool {
+    if load_sessions > LOADED_SESSIONS {
+        tree_speedup >= (1.0 + LOAD_MARGIN) * plain_speedup
+    } else {
+        tree_speedup > plain_speedup
+    }
+}
+
 /// [`choose_pipelined`] where "no speculation" means the decode fallback with `decode` tokens
 /// per decode (None: root-only trees, one round trip per token, e.g. on a verify node too old
 /// for it). A tree is chosen only when it is predicted faster than that fallback; the
@@ -595,6 +618,20 @@ pub fn choose_with_fallback(
 mod tests {
     use super::*;
     use crate::planner::EXAMPLE_ACCEPTANCE;
+
+    #[test]
+    fn under_load_a_tree_needs_the_margin() {
+        // Alone, any predicted gain; under load, 10 %.
+        assert!(tree_pays_under_load(1.0, 1.05, 1.0));
+        assert!(!tree_pays_under_load(1.0, 1.0, 1.0));
+        assert!(!tree_pays_under_load(8.0, 1.05, 1.0));
+        assert!(!tree_pays_under_load(8.0, 1.09, 1.0));
+        assert!(tree_pays_under_load(8.0, 1.1, 1.0));
+        assert!(
+            tree_pays_under_load(1.5, 1.05, 1.0),
+            "1.5 sessions is not yet load"
+        );
+    }
 
     fn profile(verify: impl Fn(f64) -> f64, draft_per_token: f64, rtt: f64) -> Profile {
         profile_with(verify, |w| draft_per_token * (0.8 + 0.2 * w), rtt)
