@@ -54,10 +54,11 @@ pub struct BatchConfig {
     /// Most prompt tokens the prefills advance by, together, per batch while other sessions
     /// are running (when every open session is prefilling, up to `max_rows`).
     pub prefill_chunk: usize,
-    /// While other sessions are running, the prefill rows of a batch may add at most this share
-    /// of the forward time its trees take alone (at the node's measured cost per row; at least
-    /// one row per waiting prompt, at most `prefill_chunk`). Lower: steadier steps for running
-    /// sessions, a later first token for new ones.
+    /// While other sessions are running, the prefill rows of a batch may make its forward at
+    /// most `1 +` this share times the forward of every open session's trees (at the node's
+    /// measured cost per row; at least one row per waiting prompt, at most `prefill_chunk`).
+    /// Lower: steadier steps for running sessions, a later first token for new ones and less
+    /// throughput while prompts come in.
     pub prefill_share: f64,
 }
 
