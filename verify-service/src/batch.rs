@@ -292,7 +292,7 @@ struct Runner {
     /// batch will likely hold when this one has none yet (they are between steps).
     tree_rows: f64,
     /// Running mean of rows per tree: with the open sessions, the rows their trees will take
-    /// once the prompts now being prefilled run too.
+    /// once the prompts now being prefilled run too (for batches without trees).
     rows_per_tree: f64,
 }
 
@@ -414,12 +414,19 @@ impl Runner {
             let per_tree = rows as f64 / trees as f64;
             self.rows_per_tree += TREE_ROWS_GAIN * (per_tree - self.rows_per_tree);
         }
+        // The trees the open sessions will send: this batch's size per tree where it has trees
+        // (the draft's planner sizes them for the load it sees now), else the recent mean.
+        let per_tree = if trees > 0 {
+            rows as f64 / trees as f64
+        } else {
+            self.rows_per_tree
+        };
         let fit = self.row_cost.fit();
         let mut budget = prefill_budget(
             &self.config,
             others_running,
             (rows as f64).max(self.tree_rows),
-            self.admission.active() as f64 * self.rows_per_tree,
+            self.admission.active() as f64 * per_tree,
             prefills.len(),
             fit,
         );
