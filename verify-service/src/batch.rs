@@ -346,12 +346,17 @@ impl Runner {
         }
     }
 
-    fn queued_rows(&self) -> usize {
+    /// Rows of the trees queued. (Prompts do not count: while others run they get a budget of
+    /// their own, not the batch. Counted, a few queued prompts passed `max_rows` at once, every
+    /// batch left without waiting for the running sessions' next trees, and those sessions fell
+    /// into alternate batches, each step then spanning two forwards: 8 sessions opening
+    /// together, session 21.)
+    fn queued_tree_rows(&self) -> usize {
         self.queue
             .iter()
             .map(|j| match &j.work {
                 Work::Tree(t) => t.tree.len(),
-                Work::Prefill { tokens, done, .. } => tokens.len() - done,
+                Work::Prefill { .. } => 0,
             })
             .sum()
     }
@@ -363,13 +368,18 @@ impl Runner {
             while let Ok(job) = rx.try_recv() {
                 self.queue.push_back(job);
             }
-            if self.queued_rows() >= self.config.max_rows
+            if self.queued_tree_rows() >= self.config.max_rows
                 || self.queue.len() >= self.admission.active()
             {
                 return;
             }
             let now = Instant::now();
             if now >= deadline {
+                tracing::debug!(
+                    queued = self.queue.len(),
+                    open = self.admission.active(),
+                    "batch leaves without every open session's work"
+                );
                 return;
             }
             match rx.recv_timeout(deadline - now) {
