@@ -5,7 +5,7 @@
 //! Batch formation, on the scheduler thread:
 //! 1. Wait for work; then take whatever else has arrived, and while fewer sessions are queued
 //!    than are open (others may send a tree any moment) wait up to `max_wait_us` for more, or
-//!    until `max_rows` rows are queued.
+//!    until `max_rows` rows of trees are queued (queued prompts do not end the wait).
 //! 2. Drop the work of sessions whose caller went away (their cache is freed now).
 //! 3. Trees in arrival order until the next one would pass `max_rows` (the first is always
 //!    taken, so a tree larger than the budget runs alone). Nobody is overtaken: a tree that does
@@ -128,8 +128,8 @@ enum Done {
 /// budget on a node with nothing but prefills to do; while any other session is running (its
 /// tree is in this batch, or it is between steps and may send one while this forward runs), as
 /// many rows as keep the forward within `1 + prefill_share` times what the trees of every open
-/// session take (`load_rows`: the open sessions times their mean tree size, and at least the
-/// `tree_rows` of this batch) at the fitted `cost` (fixed ms, ms per row). Once every session
+/// session take (`load_rows`: the open sessions times the rows per tree of this batch, or of
+/// recent batches, and at least the `tree_rows` of this batch) at the fitted `cost` (fixed ms, ms per row). Once every session
 /// runs, that is `prefill_share` of the batch's own trees; while new prompts are still coming
 /// in, it is more, and those sessions join the batches sooner. At least one row per
 /// `prefilling` session (a prompt waiting behind others is not starved) and at most
