@@ -117,14 +117,16 @@ impl Recording {
                     let (mut node, mut depth) = (0usize, 0usize);
                     while let Some(child) = (1..n).find(|&i| {
                         parents[i] == node as i32
-                            && p.continuation.get(c + depth) == Some(&tokens[i])
+                            && p.continuation
+                                .get(c + depth)
+                                .is_some_and(|t| tokens.get(i) == Some(t))
                     }) {
                         node = child;
                         depth += 1;
                     }
                     // The step commits the accepted path and one token of the target's, but
                     // never past the continuation's end.
-                    *sum += (depth + 1).min(p.continuation.len() - c) as f64;
+                    *sum += (depth + 1).min(p.continuation.len().saturating_sub(c)) as f64;
                 }
             }
         }
