@@ -8,8 +8,8 @@
 use crate::config::{FallbackConfig, TreeConfig};
 use sequoia_core::limits;
 use sequoia_core::planner::cost::{
-    choose_with_fallback, decode_tokens, tree_draft_ms, tree_pays_under_load, CostCurve,
-    NetworkProfile, NodeCosts, Prediction, Profile,
+    choose_with_fallback, decode_tokens, tree_draft_ms, CostCurve, NetworkProfile, NodeCosts,
+    Prediction, Profile,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
 use sequoia_core::stats::{AcceptanceSpread, RankCounts};
@@ -603,19 +603,10 @@ impl Planner {
         let q = if greedy { 0 } else { self.wire_top_k };
         let (nodes, levels) = (self.cfg.nodes, self.cfg.max_levels);
         let decode = fallback.map(|f| decode_tokens(&profile, f.max_tokens, f.rtt_share));
-        let mut auto = choose_with_fallback(&profile, &p, nodes, levels, q, pipeline_hit, decode)
-            .map_err(|e| e.to_string())?;
         // Under load, a tree must win by a margin (`LOAD_MARGIN`).
-        if auto.speculate {
-            let root = auto.by_size.iter().find(|b| b.nodes == 1).cloned();
-            if let Some(root) =
-                root.filter(|r| !tree_pays_under_load(load_sessions, auto.best.speedup, r.speedup))
-            {
-                auto.best = root;
-                auto.speculate = false;
-                auto.miss = None;
-            }
-        }
+        let auto = choose_with_fallback(&profile, &p, nodes, levels, q, pipeline_hit, decode)
+            .map_err(|e| e.to_string())?
+            .with_load_margin(load_sessions);
         let best = auto.best;
         let mut plan = ActivePlan::with_miss(&p, best.nodes, best.levels, auto.miss)
             .map_err(|e| e.to_string())?;
@@ -791,7 +782,7 @@ mod tests {
         };
         let (idle, busy, idle_again) = (nodes(1), nodes(8), nodes(1));
         // At 16 sessions every row is priced at its full share (the curve is linear from 32
-        // rows): plain decoding, not a tree whose gain is within the margin.
+        // rows): no tree pays at all.
         assert_eq!(nodes(16), 1, "a saturated node gets no trees");
         assert!(
             idle >= 8,

@@ -112,21 +112,17 @@ impl Recording {
         for p in &self.prompts {
             for (c, (parents, tokens)) in p.trees.iter().enumerate() {
                 positions += 1;
-                for (n, sum) in sums.iter_mut().enumerate().map(|(i, s)| (i + 1, s)) {
-                    let n = n.min(parents.len());
-                    let (mut node, mut depth) = (0usize, 0usize);
-                    while let Some(child) = (1..n).find(|&i| {
-                        parents[i] == node as i32
-                            && p.continuation
-                                .get(c + depth)
-                                .is_some_and(|t| tokens.get(i) == Some(t))
-                    }) {
-                        node = child;
-                        depth += 1;
-                    }
+                let ahead = p.continuation.get(c..).unwrap_or_default();
+                for (i, sum) in sums.iter_mut().enumerate() {
+                    // A BFS prefix of a tree is a tree.
+                    let n = (i + 1).min(parents.len()).min(tokens.len());
+                    let Ok(cut) = Tree::from_parents(&parents[..n]) else {
+                        continue;
+                    };
+                    let (_, accepted) = cut.follow_chain(&tokens[..n], ahead);
                     // The step commits the accepted path and one token of the target's, but
                     // never past the continuation's end.
-                    *sum += (depth + 1).min(p.continuation.len().saturating_sub(c)) as f64;
+                    *sum += (accepted + 1).min(ahead.len()) as f64;
                 }
             }
         }
@@ -298,7 +294,7 @@ pub fn capacity(args: &CapacityArgs) -> Result<()> {
                     n,
                     policy,
                     *batched,
-                    Some(&args.out_dir.join("logs")),
+                    &args.out_dir.join("logs"),
                 ))?;
                 eprintln!(
                     "   {:.1} tok/s, {:.2} tokens/step, p50 {:.0} ms, p99 {:.0} ms, {:.1} sessions per forward; \
@@ -545,7 +541,7 @@ async fn replay(
     n: usize,
     policy: Policy,
     batched: bool,
-    trace: Option<&std::path::Path>,
+    steps_dir: &std::path::Path,
 ) -> Result<CapacityRow> {
     let channel = tonic::transport::Endpoint::from_shared(url.to_string())?
         .connect()
@@ -570,24 +566,22 @@ async fn replay(
         runs.push(t.await??);
     }
     let wall = t0.elapsed().as_secs_f64();
-    if let Some(dir) = trace {
-        // Every step of the row, for a look at where the slow ones fall.
-        let mut csv = String::from("session,opened_s,start_s,end_s,tokens,batch_sessions\n");
-        for (i, r) in runs.iter().enumerate() {
-            for st in &r.steps {
-                csv += &format!(
-                    "{i},{:.4},{:.4},{:.4},{},{}\n",
-                    r.opened, st.start, st.end, st.tokens, st.sessions
-                );
-            }
+    // Every step of the row, for a look at where the slow ones fall.
+    let mut csv = String::from("session,opened_s,start_s,end_s,tokens,batch_sessions\n");
+    for (i, r) in runs.iter().enumerate() {
+        for st in &r.steps {
+            csv += &format!(
+                "{i},{:.4},{:.4},{:.4},{},{}\n",
+                r.opened, st.start, st.end, st.tokens, st.sessions
+            );
         }
-        let name = format!(
-            "steps-{n}-{}-{}.csv",
-            policy.method.name(),
-            if batched { "on" } else { "off" }
-        );
-        std::fs::write(dir.join(name), csv)?;
     }
+    let name = format!(
+        "steps-{n}-{}-{}.csv",
+        policy.method.name(),
+        if batched { "on" } else { "off" }
+    );
+    std::fs::write(steps_dir.join(name), csv)?;
     let steps: usize = runs.iter().map(|r| r.steps.len()).sum();
     let tokens: usize = runs.iter().map(|r| r.committed).sum();
     let batch_sessions: usize = runs.iter().flat_map(|r| &r.steps).map(|s| s.sessions).sum();

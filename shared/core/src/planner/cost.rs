@@ -585,6 +585,22 @@ pub fn tree_pays_under_load(load_sessions: f64, tree_speedup: f64, plain_speedup
     }
 }
 
+impl AutoPlan {
+    /// This plan on a node batching `load_sessions` sessions: under load a tree that does not
+    /// beat no speculation (`by_size`'s root entry) by [`LOAD_MARGIN`] gives way to it.
+    pub fn with_load_margin(mut self, load_sessions: f64) -> Self {
+        let root = self.by_size.iter().find(|b| b.nodes == 1).cloned();
+        if let (true, Some(root)) = (self.speculate, root) {
+            if !tree_pays_under_load(load_sessions, self.best.speedup, root.speedup) {
+                self.best = root;
+                self.speculate = false;
+                self.miss = None;
+            }
+        }
+        self
+    }
+}
+
 /// [`choose_pipelined`] where "no speculation" means the decode fallback with `decode` tokens
 /// per decode (None: root-only trees, one round trip per token, e.g. on a verify node too old
 /// for it). A tree is chosen only when it is predicted faster than that fallback; the
@@ -631,6 +647,32 @@ mod tests {
             tree_pays_under_load(1.5, 1.05, 1.0),
             "1.5 sessions is not yet load"
         );
+    }
+
+    #[test]
+    fn a_plan_under_load_gives_way_to_plain_decoding_within_the_margin() {
+        // A tree 5 % better than the root: kept alone, dropped at 8 sessions.
+        let pred = |nodes: usize, speedup: f64| Prediction {
+            nodes,
+            speedup,
+            ..predict_decode(&profile(|_| 20.0, 1.0, 1.0), 1)
+        };
+        let plan = AutoPlan {
+            best: pred(4, 1.05),
+            speculate: true,
+            by_size: vec![pred(1, 1.0), pred(4, 1.05)],
+            miss: Some(pred(2, 1.0)),
+        };
+        let alone = plan.clone().with_load_margin(1.0);
+        assert!(alone.speculate && alone.best.nodes == 4 && alone.miss.is_some());
+        let loaded = plan.clone().with_load_margin(8.0);
+        assert!(!loaded.speculate && loaded.best.nodes == 1 && loaded.miss.is_none());
+        // A clear gain survives the load.
+        let clear = AutoPlan {
+            best: pred(4, 1.3),
+            ..plan
+        };
+        assert_eq!(clear.with_load_margin(8.0).best.nodes, 4);
     }
 
     fn profile(verify: impl Fn(f64) -> f64, draft_per_token: f64, rtt: f64) -> Profile {
