@@ -1,9 +1,10 @@
 //! One repacked kernel in a loop, for profiling it alone (`perf record` sees nothing else):
-//! `cargo run --release -p sequoia-engine --example kernel_loop -- FORMAT ROWS COPIES REPS [ISA]`,
-//! e.g. `… -- Q4K 8 1 20 avx2`. Each rep times the 8960 × 1536 gate/up shape on one ISA path
-//! (`SEQUOIA_KERNEL_ISA`'s names; default `avx512vnni`), one thread, as `sequoia engine-bench
-//! --kernels` does. COPIES = 1 keeps the weights in cache (the kernel's arithmetic alone); 64
-//! streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the prefetch distance.
+//! `cargo run --release -p sequoia-engine --example kernel_loop -- FORMAT ROWS COPIES REPS [ISA]
+//! [COLUMNS]`, e.g. `… -- Q4K 8 1 20 avx2`. Each rep times the COLUMNS × 1536 shape (default
+//! 8960, the gate/up projection) on one ISA path (`SEQUOIA_KERNEL_ISA`'s names; default
+//! `avx512vnni`), one thread, as `sequoia engine-bench --kernels` does. COPIES = 1 keeps the
+//! weights in cache (L3 at 8960 columns; 512 columns fit L2, the kernel's arithmetic alone);
+//! 64 streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the prefetch distance.
 
 use sequoia_engine::kernels;
 
@@ -18,11 +19,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (rows, copies, reps) = (arg(1, 8)?, arg(2, 1)?, arg(3, 20)?);
     let isa_name = args.get(4).map_or("avx512vnni", String::as_str);
     let isa = kernels::Isa::from_name(isa_name).ok_or(format!("unknown ISA {isa_name}"))?;
+    let columns = arg(5, 8960)?;
     if !isa.available() {
         return Err(format!("this CPU has no {isa_name} path").into());
     }
     for _ in 0..reps {
-        let t = kernels::bench(isa, format, 8960, 1536, rows, copies)?;
+        let t = kernels::bench(isa, format, columns, 1536, rows, copies)?;
         println!(
             "{format} rows={rows} copies={copies}: {:.3} ms {:.1} G MAC/s",
             t.ns / 1e6,

@@ -17,7 +17,10 @@
 //! **Activations** are quantized once per row to int8 ([`ActK`] per 256 values with the sums the
 //! K-quant offsets need, [`Act32`] per 32); the unsigned-weight offsets (Q6_K −32, Q5_0 −16,
 //! Q8_0 stored as `w + 128`) are applied in integers by starting the block's accumulator at
-//! `−offset · Σx`, Q4_K's mins through one `vpdpwssd` per pair of sub-blocks. All integer sums
+//! `−offset · Σx`, Q4_K's mins through one `vpdpwssd` per pair of sub-blocks. Where sums run in
+//! i32 lanes, the K-quants' sub-block scales are applied by one `vpdpwssd` per accumulator,
+//! which needs the accumulator in i16 range: Q6_K's accumulators span half a sub-block and
+//! Q4_K's start at `−8 · Σx` (see [`scale_chains`]). All integer sums
 //! are exact on every path; the float epilogue (one or two FMAs per block and row, blocks in k
 //! order) is the same sequence of operations on every ISA, so a row's result is bit-identical
 //! for any batch size, any position in its row tile and any ISA path.
@@ -158,10 +161,17 @@ fn q4k_scales_mins(q: &[u8; 12]) -> [u8; 16] {
 pub(crate) struct ActK {
     qs: [i8; 256],
     d: f32,
-    /// `−32 · Σ qs` over each 16 values: Q6_K's sub-block accumulators start here.
-    init16: [i32; 16],
+    /// `−32 · Σ qs` over each 8 values: Q6_K's accumulators start here, one per half
+    /// sub-block, so each ends in i16 range (see [`scale_chains`]).
+    init8: [i32; 32],
+    /// `−8 · Σ qs` over each 32 values: Q4_K's sub-block accumulators start here (weights
+    /// taken as `q − 8`, so each ends in i16 range), undone by [`Self::bs32p8`].
+    init32: [i32; 8],
     /// Σ qs over each 32 values as i16 pairs `(s[2p], s[2p+1])` in one i32 (Q4_K's mins).
     bs32p: [i32; 4],
+    /// [`Self::bs32p`] times 8 (at most 8 · 32 · 127 = 32,512): Q4_K's `+8 · Σ scale · Σx`
+    /// that gives back what [`Self::init32`] took.
+    bs32p8: [i32; 4],
     /// Q6_K's `−32` offset for the i16 sums of [`Simd::I16_SUMS`]: over each 16 values,
     /// `−32 · Σ qs` of the values at `k ≡ 0, 1 (mod 4)` and of those at `k ≡ 2, 3`, as an i16
     /// pair in one i32 (the two halves of a `maddubs` lane).
@@ -273,23 +283,31 @@ impl ActBlock for ActK {
         let mut a = ActK {
             qs: [0; 256],
             d: 0.0,
-            init16: [0; 16],
+            init8: [0; 32],
+            init32: [0; 8],
             bs32p: [0; 4],
+            bs32p8: [0; 4],
             off16p: [0; 16],
         };
         a.d = quantize_i8(x, &mut a.qs);
-        let mut s16 = [0i32; 16];
-        for (s, q) in s16.iter_mut().zip(a.qs.chunks_exact(16)) {
+        let mut s8 = [0i32; 32];
+        for (s, q) in s8.iter_mut().zip(a.qs.chunks_exact(8)) {
             *s = q.iter().map(|&v| v as i32).sum();
         }
+        for (i, s) in s8.iter().enumerate() {
+            a.init8[i] = -32 * s;
+        }
         for j in 0..16 {
-            a.init16[j] = -32 * s16[j];
             a.off16p[j] = offset_pair(&a.qs[16 * j..16 * (j + 1)], -32);
         }
+        let s32: [i32; 8] = std::array::from_fn(|j| s8[4 * j..4 * j + 4].iter().sum());
+        for j in 0..8 {
+            a.init32[j] = -8 * s32[j];
+        }
+        let pair = |lo: i32, hi: i32| ((lo as u16 as u32) | ((hi as u16 as u32) << 16)) as i32;
         for p in 0..4 {
-            let lo = s16[4 * p] + s16[4 * p + 1];
-            let hi = s16[4 * p + 2] + s16[4 * p + 3];
-            a.bs32p[p] = ((lo as u16 as u32) | ((hi as u16 as u32) << 16)) as i32;
+            a.bs32p[p] = pair(s32[2 * p], s32[2 * p + 1]);
+            a.bs32p8[p] = pair(8 * s32[2 * p], 8 * s32[2 * p + 1]);
         }
         a
     }
@@ -401,6 +419,10 @@ pub(crate) trait Simd: Copy {
     unsafe fn set1_i8(v: i8) -> Self::I;
     unsafe fn and(a: Self::I, b: Self::I) -> Self::I;
     unsafe fn or(a: Self::I, b: Self::I) -> Self::I;
+    /// [`Self::bitsel`] is one instruction (`vpternlogd`), not three.
+    const TERNLOG: bool;
+    /// Bitwise select: the bits of `a` where `m` has ones, those of `b` elsewhere.
+    unsafe fn bitsel(m: Self::I, a: Self::I, b: Self::I) -> Self::I;
     /// Logical shifts of 16-bit lanes.
     unsafe fn shr16(a: Self::I, s: u32) -> Self::I;
     unsafe fn shl16(a: Self::I, s: u32) -> Self::I;
@@ -419,12 +441,13 @@ pub(crate) trait Simd: Copy {
     /// Q8_0 dot with `w` stored as `w + 128` (see [`Self::Q8_BIASED`]).
     unsafe fn q8dot(acc: Self::I, w: Self::I, x: Self::I) -> Self::I;
     unsafe fn add(a: Self::I, b: Self::I) -> Self::I;
-    unsafe fn mullo(a: Self::I, b: Self::I) -> Self::I;
     /// LANES bytes, zero- / sign-extended to i32.
     unsafe fn load_u8_i32(p: *const u8) -> Self::I;
     unsafe fn load_i8_i32(p: *const u8) -> Self::I;
     /// `2·LANES` bytes zero-extended to i16.
     unsafe fn load_u8_i16(p: *const u8) -> Self::I;
+    /// Two rows of u8 scales 16 bytes apart as i16 pairs: lane `c` is `(p[c], p[16 + c])`.
+    unsafe fn load_u8_pair16(p: *const u8) -> Self::I;
     /// LANES f16 values.
     unsafe fn load_f16(p: *const u8) -> Self::F;
     unsafe fn fbcast(v: f32) -> Self::F;
@@ -479,6 +502,13 @@ impl Simd for Scalar {
     #[inline(always)]
     unsafe fn or(a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
         std::array::from_fn(|i| a[i] | b[i])
+    }
+    // The scalar model keeps the and/or forms of the kernels: the tests compare the
+    // `vpternlogd` forms of the AVX-512 path against them.
+    const TERNLOG: bool = false;
+    #[inline(always)]
+    unsafe fn bitsel(m: [u32; 16], a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
+        std::array::from_fn(|i| (a[i] & m[i]) | (b[i] & !m[i]))
     }
     #[inline(always)]
     unsafe fn shr16(a: [u32; 16], s: u32) -> [u32; 16] {
@@ -539,10 +569,6 @@ impl Simd for Scalar {
         std::array::from_fn(|i| a[i].wrapping_add(b[i]))
     }
     #[inline(always)]
-    unsafe fn mullo(a: [u32; 16], b: [u32; 16]) -> [u32; 16] {
-        std::array::from_fn(|i| a[i].wrapping_mul(b[i]))
-    }
-    #[inline(always)]
     unsafe fn load_u8_i32(p: *const u8) -> [u32; 16] {
         // SAFETY: caller: 16 readable bytes.
         std::array::from_fn(|i| unsafe { *p.add(i) } as u32)
@@ -558,6 +584,11 @@ impl Simd for Scalar {
         std::array::from_fn(|i| unsafe {
             *p.add(2 * i) as u32 | ((*p.add(2 * i + 1) as u32) << 16)
         })
+    }
+    #[inline(always)]
+    unsafe fn load_u8_pair16(p: *const u8) -> [u32; 16] {
+        // SAFETY: caller: 32 readable bytes.
+        std::array::from_fn(|i| unsafe { *p.add(i) as u32 | ((*p.add(16 + i) as u32) << 16) })
     }
     #[inline(always)]
     unsafe fn load_f16(p: *const u8) -> [f32; 16] {
@@ -647,6 +678,13 @@ mod x86 {
         unsafe fn or(a: __m512i, b: __m512i) -> __m512i {
             _mm512_or_si512(a, b)
         }
+        const TERNLOG: bool = true;
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn bitsel(m: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            // Truth table over (m, a, b): m ? a : b.
+            _mm512_ternarylogic_epi32::<0xCA>(m, a, b)
+        }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
         unsafe fn shr16(a: __m512i, s: u32) -> __m512i {
@@ -664,8 +702,20 @@ mod x86 {
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-        unsafe fn dpwssd(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
-            _mm512_dpwssd_epi32(acc, a, b)
+        unsafe fn dpwssd(mut acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            // Written out: for its generic tuning LLVM turns `_mm512_dpwssd_epi32` into
+            // `vpmaddwd` + `vpaddd`, two instructions on the ports the `vpdpbusd`s need (the
+            // scale and offset steps of a Q4_K block then cost as much as before they used it).
+            unsafe {
+                std::arch::asm!(
+                    "vpdpwssd {acc}, {a}, {b}",
+                    acc = inout(zmm_reg) acc,
+                    a = in(zmm_reg) a,
+                    b = in(zmm_reg) b,
+                    options(pure, nomem, nostack, preserves_flags),
+                );
+            }
+            acc
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -694,11 +744,6 @@ mod x86 {
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-        unsafe fn mullo(a: __m512i, b: __m512i) -> __m512i {
-            _mm512_mullo_epi32(a, b)
-        }
-        #[inline]
-        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
         unsafe fn load_u8_i32(p: *const u8) -> __m512i {
             _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) })
         }
@@ -711,6 +756,18 @@ mod x86 {
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
         unsafe fn load_u8_i16(p: *const u8) -> __m512i {
             _mm512_cvtepu8_epi16(unsafe { _mm256_loadu_si256(p as *const __m256i) })
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn load_u8_pair16(p: *const u8) -> __m512i {
+            let (a, b) = unsafe {
+                (
+                    _mm_loadu_si128(p as *const __m128i),
+                    _mm_loadu_si128(p.add(16) as *const __m128i),
+                )
+            };
+            let bytes = _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+            _mm512_cvtepu8_epi16(bytes)
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -802,6 +859,12 @@ mod x86 {
                 unsafe fn or(a: __m256i, b: __m256i) -> __m256i {
                     _mm256_or_si256(a, b)
                 }
+                const TERNLOG: bool = false;
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn bitsel(m: __m256i, a: __m256i, b: __m256i) -> __m256i {
+                    _mm256_or_si256(_mm256_and_si256(a, m), _mm256_andnot_si256(m, b))
+                }
                 #[inline]
                 #[target_feature(enable = $tf)]
                 unsafe fn shr16(a: __m256i, s: u32) -> __m256i {
@@ -849,11 +912,6 @@ mod x86 {
                 }
                 #[inline]
                 #[target_feature(enable = $tf)]
-                unsafe fn mullo(a: __m256i, b: __m256i) -> __m256i {
-                    _mm256_mullo_epi32(a, b)
-                }
-                #[inline]
-                #[target_feature(enable = $tf)]
                 unsafe fn load_u8_i32(p: *const u8) -> __m256i {
                     _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
                 }
@@ -866,6 +924,17 @@ mod x86 {
                 #[target_feature(enable = $tf)]
                 unsafe fn load_u8_i16(p: *const u8) -> __m256i {
                     _mm256_cvtepu8_epi16(unsafe { _mm_loadu_si128(p as *const __m128i) })
+                }
+                #[inline]
+                #[target_feature(enable = $tf)]
+                unsafe fn load_u8_pair16(p: *const u8) -> __m256i {
+                    let (a, b) = unsafe {
+                        (
+                            _mm_loadl_epi64(p as *const __m128i),
+                            _mm_loadl_epi64(p.add(16) as *const __m128i),
+                        )
+                    };
+                    _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b))
                 }
                 #[inline]
                 #[target_feature(enable = $tf)]
@@ -941,8 +1010,18 @@ mod x86 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
-    fn dpwssd_vnni(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
-        _mm256_dpwssd_avx_epi32(acc, a, b)
+    fn dpwssd_vnni(mut acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+        // Written out for the reason given at the 512-bit `dpwssd`.
+        unsafe {
+            std::arch::asm!(
+                "{{vex}} vpdpwssd {acc}, {a}, {b}",
+                acc = inout(ymm_reg) acc,
+                a = in(ymm_reg) a,
+                b = in(ymm_reg) b,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        acc
     }
 
     impl256!(
@@ -1144,7 +1223,9 @@ unsafe fn dot_line<S: Simd, A, const R: usize>(
 }
 
 /// The [`dot_line`] sums of each row times the sub-block scales `sc` (i32 lanes), added to
-/// `sumi`: one `madd` with the scale pairs from i16 sums, else the chains' total times `sc`.
+/// `sumi`: one `madd` with the scale pairs from i16 sums, else one `vpdpwssd` of the chains'
+/// total (an offset-started chain, in i16 range) with `sc` (the scale in each lane's low i16,
+/// 0 in the high one), as [`scale_chains`] explains.
 #[inline(always)]
 unsafe fn add_scaled<S: Simd, const R: usize>(
     sumi: &mut [S::I; R],
@@ -1160,10 +1241,9 @@ unsafe fn add_scaled<S: Simd, const R: usize>(
                 sumi[r] = S::dpwssd(sumi[r], a[r], sc);
             }
         } else {
-            for r in 0..R {
-                let s = if R <= 2 { S::add(a[r], b[r]) } else { a[r] };
-                sumi[r] = S::add(sumi[r], S::mullo(s, sc));
-            }
+            let s: [S::I; R] =
+                std::array::from_fn(|r| if R <= 2 { S::add(a[r], b[r]) } else { a[r] });
+            scale_chains::<S, R>(sumi, &s, sc);
         }
     }
 }
@@ -1186,8 +1266,49 @@ unsafe fn widen<S: Simd, const R: usize>(a: &mut [S::I; R], b: &[S::I; R]) {
     }
 }
 
+/// `sumi += c · sc` per row, where every lane of `c` is in i16 range and `sc` holds a scale in
+/// each lane's low i16 and 0 in its high one: then `vpdpwssd` multiplies exactly the chain by
+/// the scale (the chain's high i16 is its sign, times 0). One instruction where a 32-bit
+/// multiply and an add were three (`vpmulld` is two on Intel), with the same integer result.
+/// The chains get into i16 range by starting at an offset (`init8`, `init32` of [`ActK`]):
+/// Q4_K's 32 values of `q − 8` reach at most 32 · 8 · 127 = 32,512 and Q6_K's 8 values of
+/// `q − 32` the same, where whole Q6_K sub-blocks (16 values) would reach 65,024.
+#[inline(always)]
+unsafe fn scale_chains<S: Simd, const R: usize>(sumi: &mut [S::I; R], c: &[S::I; R], sc: S::I) {
+    for r in 0..R {
+        // SAFETY: the CPU supports `S` (caller).
+        sumi[r] = unsafe { S::dpwssd(sumi[r], c[r], sc) };
+    }
+}
+
+/// The i32 `0x0000_FFFF`: keeps each lane's low i16.
+const LO16: u32 = 0x0000_FFFF;
+
+/// Q6_K sub-block `sb`'s scales for [`scale_chains`]: the i8 in the low i16, 0 above.
+#[inline(always)]
+unsafe fn q6k_scale<S: Simd>(main: *const u8, sb: usize, half: usize) -> S::I {
+    // SAFETY: inside the (group, block) slot (caller).
+    unsafe {
+        let sc = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
+        S::and(sc, S::bcast(&LO16 as *const u32 as *const u8))
+    }
+}
+
+/// The i32 accumulators of a tile, each starting at an i32 of its row's activation block at
+/// `field` + `i` (the offset sums of [`ActK`]).
+#[inline(always)]
+unsafe fn start_at<S: Simd, const R: usize>(
+    acts: &[*const ActK; R],
+    field: impl Fn(&ActK) -> &[i32],
+    i: usize,
+) -> [S::I; R] {
+    // SAFETY: live activation blocks (caller); `i` inside the field (callers' constants).
+    std::array::from_fn(|r| unsafe { S::bcast(field(&*acts[r])[i..].as_ptr() as *const u8) })
+}
+
 /// Q4_K sub-block `4·HI + j` (k-groups `8j..8j+8` of the low or high nibbles): its integer
-/// dot times its scale, added to `sumi`.
+/// dot times its scale, added to `sumi`. With i32 chains, the weights count as `q − 8` (see
+/// [`scale_chains`]); the block adds the `8 · Σ scale · Σx` back.
 #[inline(always)]
 unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
     main: *const u8,
@@ -1202,7 +1323,11 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
         let sb = 4 * HI as usize + j;
         let sc = S::load_u8_i32(main.add(2048 + 16 * sb + S::LANES * half));
         // With i16 sums, each lane sums 16 products of at most 15 · 127: 30,480.
-        let mut a = [S::zero(); R];
+        let mut a = if S::I16_SUMS {
+            [S::zero(); R]
+        } else {
+            start_at::<S, R>(acts, |a| &a.init32, sb)
+        };
         let mut b = [S::zero(); R];
         // One base pointer per sub-block, so the unrolled lines below load at constant
         // displacements from it: written as `64 · (8j + t)`, the compiler spent a `lea` and a
@@ -1228,7 +1353,7 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
 /// 12 independent chains to keep it busy: with one chain per row (the [`q4k_sub`] loop) a tile
 /// of 4 rows ran at 29 % of the peak, paired at 40 % (8 rows: 40 → 47 %; Xeon family 6 model
 /// 207, weights in cache). Integer sums only, so the result equals two [`q4k_sub`] calls
-/// exactly.
+/// exactly. i32 chains only (weights as `q − 8`, see [`scale_chains`]).
 #[inline(always)]
 unsafe fn q4k_pair<S: Simd, const R: usize>(
     main: *const u8,
@@ -1240,8 +1365,8 @@ unsafe fn q4k_pair<S: Simd, const R: usize>(
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
         let m4 = S::set1_i8(0x0F);
-        let mut lo = [S::zero(); R];
-        let mut hi = [S::zero(); R];
+        let mut lo = start_at::<S, R>(acts, |a| &a.init32, j);
+        let mut hi = start_at::<S, R>(acts, |a| &a.init32, 4 + j);
         for t in 0..8 {
             let c = 8 * j + t;
             let v = S::load(main.add(64 * c + 32 * half));
@@ -1256,15 +1381,54 @@ unsafe fn q4k_pair<S: Simd, const R: usize>(
         }
         let scl = S::load_u8_i32(main.add(2048 + 16 * j + S::LANES * half));
         let sch = S::load_u8_i32(main.add(2048 + 16 * (4 + j) + S::LANES * half));
-        for r in 0..R {
-            sumi[r] = S::add(sumi[r], S::add(S::mullo(lo[r], scl), S::mullo(hi[r], sch)));
+        scale_chains::<S, R>(sumi, &lo, scl);
+        scale_chains::<S, R>(sumi, &hi, sch);
+    }
+}
+
+/// Quarter `q` of a Q6_K block as bytes of 6-bit values: the nibbles of line `v` (low ones for
+/// quarters 0 and 1) with the 2-bit field `q` of the high-bit line `hv` as bits 4–5.
+#[inline(always)]
+unsafe fn q6k_unpack<S: Simd>(v: S::I, hv: S::I, q: usize) -> S::I {
+    // SAFETY: the CPU supports `S` (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        if S::TERNLOG {
+            // Two instructions fewer per line: bits 0–3 come from the nibbles and bits 4–7
+            // from the field moved to bits 4–5, in one select. Bits 6–7 must then arrive as
+            // zeros: masking `hv` to the field and the one two bits from it (0x33, 0xCC)
+            // leaves only zeros where the 16-bit shifts land in bits 6–7, and whatever they
+            // carry into bits 0–3 the select drops.
+            let nib = if q >= 2 { S::shr16(v, 4) } else { v };
+            let h = S::and(hv, S::set1_i8(if q % 2 == 0 { 0x33 } else { 0xCCu8 as i8 }));
+            let h = match q {
+                0 => S::shl16(h, 4),
+                1 => S::shl16(h, 2),
+                2 => h,
+                _ => S::shr16(h, 2),
+            };
+            S::bitsel(m4, nib, h)
+        } else {
+            let lo = if q >= 2 {
+                S::and(S::shr16(v, 4), m4)
+            } else {
+                S::and(v, m4)
+            };
+            let hb = match q {
+                0 => S::shl16(hv, 4),
+                1 => S::shl16(hv, 2),
+                2 => hv,
+                _ => S::shr16(hv, 2),
+            };
+            S::or(lo, S::and(hb, S::set1_i8(0x30)))
         }
     }
 }
 
 /// Q6_K sub-blocks `j`, `4 + j`, `8 + j`, `12 + j` (all four quarters) at once: each low-bit
 /// line and each high-bit line is loaded once for all of them (3 loads per 4 k-groups, against
-/// 8 in [`q6k_sub`]). Integer sums only, so the result equals [`q6k_sub`]'s exactly.
+/// 8 in [`q6k_sub`]). The accumulators restart at each half sub-block ([`scale_chains`]).
+/// Integer sums only, so the result equals [`q6k_sub`]'s exactly.
 #[inline(always)]
 unsafe fn q6k_quad<S: Simd, const R: usize>(
     main: *const u8,
@@ -1273,62 +1437,38 @@ unsafe fn q6k_quad<S: Simd, const R: usize>(
     acts: &[*const ActK; R],
     sumi: &mut [S::I; R],
 ) {
-    const QN: usize = 4;
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
-        let m4 = S::set1_i8(0x0F);
-        let m30 = S::set1_i8(0x30);
-        let qs: [usize; QN] = [0, 1, 2, 3];
-        let sc: [S::I; QN] = std::array::from_fn(|i| {
-            S::load_i8_i32(main.add(3072 + 16 * (4 * qs[i] + j) + S::LANES * half))
-        });
-        let mut a = [[S::zero(); R]; QN];
-        for i in 0..QN {
-            for r in 0..R {
-                a[i][r] = S::bcast((*acts[r]).init16.as_ptr().add(4 * qs[i] + j) as *const u8);
-            }
-        }
-        for t in 0..4 {
-            let l = 4 * j + t;
-            let hv = S::load(main.add(2048 + 64 * l + 32 * half));
-            let va = S::load(main.add(64 * l + 32 * half));
-            let vb = S::load(main.add(64 * (16 + l) + 32 * half));
-            for i in 0..QN {
-                let q = qs[i];
-                let v = if q % 2 == 1 { vb } else { va };
-                let lo = if q >= 2 {
-                    S::and(S::shr16(v, 4), m4)
-                } else {
-                    S::and(v, m4)
-                };
-                let hb = match q {
-                    0 => S::shl16(hv, 4),
-                    1 => S::shl16(hv, 2),
-                    2 => hv,
-                    _ => S::shr16(hv, 2),
-                };
-                let w = S::or(lo, S::and(hb, m30));
-                let g = 16 * q + l;
-                for r in 0..R {
-                    let x = S::bcast(bcast_q(acts[r], 4 * g));
-                    a[i][r] = S::dpbusd(a[i][r], w, x);
+        let sc: [S::I; 4] = std::array::from_fn(|q| q6k_scale::<S>(main, 4 * q + j, half));
+        for h in 0..2 {
+            let mut a: [[S::I; R]; 4] =
+                std::array::from_fn(|q| start_at::<S, R>(acts, |a| &a.init8, 2 * (4 * q + j) + h));
+            for t in 2 * h..2 * h + 2 {
+                let l = 4 * j + t;
+                let hv = S::load(main.add(2048 + 64 * l + 32 * half));
+                let va = S::load(main.add(64 * l + 32 * half));
+                let vb = S::load(main.add(64 * (16 + l) + 32 * half));
+                for (q, aq) in a.iter_mut().enumerate() {
+                    let w = q6k_unpack::<S>(if q % 2 == 1 { vb } else { va }, hv, q);
+                    let g = 16 * q + l;
+                    for r in 0..R {
+                        let x = S::bcast(bcast_q(acts[r], 4 * g));
+                        aq[r] = S::dpbusd(aq[r], w, x);
+                    }
                 }
             }
-        }
-        for r in 0..R {
-            let mut s = S::mullo(a[0][r], sc[0]);
-            for i in 1..QN {
-                s = S::add(s, S::mullo(a[i][r], sc[i]));
+            for (aq, &s) in a.iter().zip(&sc) {
+                scale_chains::<S, R>(sumi, aq, s);
             }
-            sumi[r] = S::add(sumi[r], s);
         }
     }
 }
 
 /// Q6_K sub-blocks `4·P + j` and `4·(P + 2) + j` at once (quarters `P` and `P + 2`): the
 /// low and high nibbles of the same low-bit lines and the same high-bit lines, loaded once for
-/// both, with two independent accumulators per row (see [`q4k_pair`] for why that matters).
-/// Integer sums only, so the result equals two [`q6k_sub`] calls exactly.
+/// both, with two independent accumulators per row (see [`q4k_pair`] for why that matters),
+/// restarted at each half sub-block ([`scale_chains`]). Integer sums only, so the result
+/// equals two [`q6k_sub`] calls exactly.
 #[inline(always)]
 unsafe fn q6k_pair<S: Simd, const R: usize, const P: usize>(
     main: *const u8,
@@ -1339,36 +1479,28 @@ unsafe fn q6k_pair<S: Simd, const R: usize, const P: usize>(
 ) {
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
-        let m4 = S::set1_i8(0x0F);
-        let m30 = S::set1_i8(0x30);
         let (sa, sb) = (4 * P + j, 4 * (P + 2) + j);
-        let mut a = [S::zero(); R];
-        let mut b = [S::zero(); R];
-        for r in 0..R {
-            a[r] = S::bcast((*acts[r]).init16.as_ptr().add(sa) as *const u8);
-            b[r] = S::bcast((*acts[r]).init16.as_ptr().add(sb) as *const u8);
-        }
-        for t in 0..4 {
-            let l = 4 * j + t;
-            let v = S::load(main.add(64 * (16 * P + l) + 32 * half));
-            let hv = S::load(main.add(2048 + 64 * l + 32 * half));
-            let (ha, hb) = if P == 0 {
-                (S::shl16(hv, 4), hv)
-            } else {
-                (S::shl16(hv, 2), S::shr16(hv, 2))
-            };
-            let wa = S::or(S::and(v, m4), S::and(ha, m30));
-            let wb = S::or(S::and(S::shr16(v, 4), m4), S::and(hb, m30));
-            let (ga, gb) = (16 * P + l, 16 * (P + 2) + l);
-            for r in 0..R {
-                a[r] = S::dpbusd(a[r], wa, S::bcast(bcast_q(acts[r], 4 * ga)));
-                b[r] = S::dpbusd(b[r], wb, S::bcast(bcast_q(acts[r], 4 * gb)));
+        let (sca, scb) = (
+            q6k_scale::<S>(main, sa, half),
+            q6k_scale::<S>(main, sb, half),
+        );
+        for h in 0..2 {
+            let mut a = start_at::<S, R>(acts, |a| &a.init8, 2 * sa + h);
+            let mut b = start_at::<S, R>(acts, |a| &a.init8, 2 * sb + h);
+            for t in 2 * h..2 * h + 2 {
+                let l = 4 * j + t;
+                let v = S::load(main.add(64 * (16 * P + l) + 32 * half));
+                let hv = S::load(main.add(2048 + 64 * l + 32 * half));
+                let wa = q6k_unpack::<S>(v, hv, P);
+                let wb = q6k_unpack::<S>(v, hv, P + 2);
+                let (ga, gb) = (16 * P + l, 16 * (P + 2) + l);
+                for r in 0..R {
+                    a[r] = S::dpbusd(a[r], wa, S::bcast(bcast_q(acts[r], 4 * ga)));
+                    b[r] = S::dpbusd(b[r], wb, S::bcast(bcast_q(acts[r], 4 * gb)));
+                }
             }
-        }
-        let sca = S::load_i8_i32(main.add(3072 + 16 * sa + S::LANES * half));
-        let scb = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
-        for r in 0..R {
-            sumi[r] = S::add(sumi[r], S::add(S::mullo(a[r], sca), S::mullo(b[r], scb)));
+            scale_chains::<S, R>(sumi, &a, sca);
+            scale_chains::<S, R>(sumi, &b, scb);
         }
     }
 }
@@ -1385,26 +1517,15 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
 ) {
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
-        let m4 = S::set1_i8(0x0F);
-        let m30 = S::set1_i8(0x30);
         // Base pointers per sub-block, as in [`q4k_sub`].
         let lo_lines = main.add(64 * (16 * (Q % 2) + 4 * j) + 32 * half);
         let hi_lines = main.add(2048 + 256 * j + 32 * half);
         let w: [S::I; 4] = std::array::from_fn(|t| {
-            let v = S::load(lo_lines.add(64 * t));
-            let lo = if Q >= 2 {
-                S::and(S::shr16(v, 4), m4)
-            } else {
-                S::and(v, m4)
-            };
-            let hv = S::load(hi_lines.add(64 * t));
-            let hb = match Q {
-                0 => S::shl16(hv, 4),
-                1 => S::shl16(hv, 2),
-                2 => hv,
-                _ => S::shr16(hv, 2),
-            };
-            S::or(lo, S::and(hb, m30))
+            q6k_unpack::<S>(
+                S::load(lo_lines.add(64 * t)),
+                S::load(hi_lines.add(64 * t)),
+                Q,
+            )
         });
         q6k_dot::<S, R>(&w, main, 4 * Q + j, half, acts, sumi);
     }
@@ -1424,7 +1545,6 @@ unsafe fn q6k_dot<S: Simd, const R: usize>(
 ) {
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
-        let sc = S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half));
         let g0 = 4 * sb;
         // The sums start at the −32 offset. With i16 sums each lane ends at the sum of 8
         // products (w − 32) · x, at most 32 · 127 each: 32,512; `maddubs` itself sees two
@@ -1434,7 +1554,7 @@ unsafe fn q6k_dot<S: Simd, const R: usize>(
             // of all `R` across the lines, so the tile's i32 sums stay in registers (Zen 3,
             // AVX2: 8 rows spilled them on every sub-block). Wrapping i16 adds in any order
             // end at the same in-range value.
-            let sc = S::dup16(sc);
+            let sc = S::dup16(S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half)));
             for r in 0..R {
                 let x = |t: usize| S::bcast(bcast_q(acts[r], 4 * (g0 + t)));
                 let init = S::bcast((*acts[r]).off16p.as_ptr().add(sb) as *const u8);
@@ -1445,13 +1565,18 @@ unsafe fn q6k_dot<S: Simd, const R: usize>(
                 sumi[r] = S::dpwssd(sumi[r], S::add16(lo, hi), sc);
             }
         } else {
-            let mut a: [S::I; R] =
-                std::array::from_fn(|r| S::bcast((*acts[r]).init16.as_ptr().add(sb) as *const u8));
-            let mut b = [S::zero(); R];
-            for (t, &wt) in w.iter().enumerate() {
-                dot_line::<S, _, R>(&mut a, &mut b, wt, acts, 4 * (g0 + t), t % 2 == 1);
+            // i32 chains, one per half sub-block ([`scale_chains`]).
+            let sc = q6k_scale::<S>(main, sb, half);
+            for h in 0..2 {
+                let mut a = start_at::<S, R>(acts, |a| &a.init8, 2 * sb + h);
+                let mut b = [S::zero(); R];
+                for t in 2 * h..2 * h + 2 {
+                    dot_line::<S, _, R>(&mut a, &mut b, w[t], acts, 4 * (g0 + t), t % 2 == 1);
+                }
+                let s: [S::I; R] =
+                    std::array::from_fn(|r| if R <= 2 { S::add(a[r], b[r]) } else { a[r] });
+                scale_chains::<S, R>(sumi, &s, sc);
             }
-            add_scaled::<S, R>(sumi, &a, &b, sc);
         }
     }
 }
@@ -1563,6 +1688,17 @@ impl Format for Q4K {
                 for j in 0..4 {
                     pf.part(4 + j, 8, Self::MAIN);
                     q4k_sub::<S, R, true>(main, j, half, acts, &mut sumi);
+                }
+            }
+            if !S::I16_SUMS {
+                // The i32 chains took the weights as `q − 8` ([`scale_chains`]): add back
+                // `8 · Σ_j scale_j · Σx_j`, one `vpdpwssd` per pair of sub-blocks.
+                for p in 0..4 {
+                    let sc = S::load_u8_pair16(main.add(2048 + 32 * p + lanes * half));
+                    for r in 0..R {
+                        let bs = S::bcast((*acts[r]).bs32p8.as_ptr().add(p) as *const u8);
+                        sumi[r] = S::dpwssd(sumi[r], sc, bs);
+                    }
                 }
             }
             epi32::<S, _, R>(S::load_f16(aux.add(2 * lanes * half)), &sumi, acts, out);
