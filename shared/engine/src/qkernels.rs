@@ -1284,7 +1284,8 @@ unsafe fn scale_chains<S: Simd, const R: usize>(sumi: &mut [S::I; R], c: &[S::I;
 /// The i32 `0x0000_FFFF`: keeps each lane's low i16.
 const LO16: u32 = 0x0000_FFFF;
 
-/// Q6_K sub-block `sb`'s scales for [`scale_chains`]: the i8 in the low i16, 0 above.
+/// Q6_K sub-block `sb`'s scales for [`scale_chains`]: the i8 in the low i16, 0 above (`dup16`
+/// makes the i16 pairs of [`Simd::I16_SUMS`] from the same).
 #[inline(always)]
 unsafe fn q6k_scale<S: Simd>(main: *const u8, sb: usize, half: usize) -> S::I {
     // SAFETY: inside the (group, block) slot (caller).
@@ -1546,6 +1547,7 @@ unsafe fn q6k_dot<S: Simd, const R: usize>(
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
         let g0 = 4 * sb;
+        let sc = q6k_scale::<S>(main, sb, half);
         // The sums start at the −32 offset. With i16 sums each lane ends at the sum of 8
         // products (w − 32) · x, at most 32 · 127 each: 32,512; `maddubs` itself sees two
         // products of at most 63 · 127, and the wrapping adds in between cancel.
@@ -1554,7 +1556,7 @@ unsafe fn q6k_dot<S: Simd, const R: usize>(
             // of all `R` across the lines, so the tile's i32 sums stay in registers (Zen 3,
             // AVX2: 8 rows spilled them on every sub-block). Wrapping i16 adds in any order
             // end at the same in-range value.
-            let sc = S::dup16(S::load_i8_i32(main.add(3072 + 16 * sb + S::LANES * half)));
+            let sc = S::dup16(sc);
             for r in 0..R {
                 let x = |t: usize| S::bcast(bcast_q(acts[r], 4 * (g0 + t)));
                 let init = S::bcast((*acts[r]).off16p.as_ptr().add(sb) as *const u8);
@@ -1566,16 +1568,13 @@ unsafe fn q6k_dot<S: Simd, const R: usize>(
             }
         } else {
             // i32 chains, one per half sub-block ([`scale_chains`]).
-            let sc = q6k_scale::<S>(main, sb, half);
             for h in 0..2 {
                 let mut a = start_at::<S, R>(acts, |a| &a.init8, 2 * sb + h);
                 let mut b = [S::zero(); R];
                 for t in 2 * h..2 * h + 2 {
                     dot_line::<S, _, R>(&mut a, &mut b, w[t], acts, 4 * (g0 + t), t % 2 == 1);
                 }
-                let s: [S::I; R] =
-                    std::array::from_fn(|r| if R <= 2 { S::add(a[r], b[r]) } else { a[r] });
-                scale_chains::<S, R>(sumi, &s, sc);
+                add_scaled::<S, R>(sumi, &a, &b, sc);
             }
         }
     }
