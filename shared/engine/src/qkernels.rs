@@ -41,6 +41,9 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
+
 use half::f16;
 
 /// Columns per interleaved group.
@@ -1084,6 +1087,24 @@ pub(crate) trait Format: Send + Sync + 'static {
         out: &mut [S::F; R],
         pf: Pf,
     );
+
+    /// Output columns of groups `groups` for `m` rows on AMX tiles, where this format has such
+    /// a kernel and `m` is large enough for it (else `false`, and nothing is written).
+    ///
+    /// # Safety
+    /// As [`Packed::columns`], with [`Isa::Amx`] available.
+    unsafe fn columns_amx(
+        _p: &Packed<Self>,
+        _acts: &[Self::Act],
+        _m: usize,
+        _groups: std::ops::Range<usize>,
+        _out: OutPtr,
+    ) -> bool
+    where
+        Self: Sized,
+    {
+        false
+    }
 }
 
 /// Software prefetch of one (group, block) slot further ahead, issued by a format's kernel in
@@ -1600,6 +1621,22 @@ impl Format for Q4K {
     const AUX: usize = 64;
     const PF_OFF_MAX_M: usize = 1;
 
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn columns_amx(
+        p: &Packed<Q4K>,
+        acts: &[ActK],
+        m: usize,
+        groups: std::ops::Range<usize>,
+        out: OutPtr,
+    ) -> bool {
+        if m < amx::MIN_ROWS {
+            return false;
+        }
+        // SAFETY: the caller's contract.
+        unsafe { amx::columns(p, acts, m, groups, out) };
+        true
+    }
+
     fn decode(b: &BlockQ4K) -> ColBlock {
         let mut c = ColBlock::ZERO;
         let sm = q4k_scales_mins(&b.scales);
@@ -1670,7 +1707,6 @@ impl Format for Q4K {
     ) {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
-            let lanes = S::LANES;
             let mut sumi = [S::zero(); R];
             if S::LANES == 16 {
                 // 32 registers hold two accumulators per row (16 for the 256-bit paths would
@@ -1689,31 +1725,53 @@ impl Format for Q4K {
                     q4k_sub::<S, R, true>(main, j, half, acts, &mut sumi);
                 }
             }
-            if !S::I16_SUMS {
-                // The i32 chains took the weights as `q − 8` ([`scale_chains`]): add back
-                // `8 · Σ_j scale_j · Σx_j`, one `vpdpwssd` per pair of sub-blocks.
-                for p in 0..4 {
-                    let sc = S::load_u8_pair16(main.add(2048 + 32 * p + lanes * half));
-                    for r in 0..R {
-                        let bs = S::bcast((*acts[r]).bs32p8.as_ptr().add(p) as *const u8);
-                        sumi[r] = S::dpwssd(sumi[r], sc, bs);
-                    }
-                }
-            }
-            epi32::<S, _, R>(S::load_f16(aux.add(2 * lanes * half)), &sumi, acts, out);
-            let mut summ = [S::zero(); R];
+            q4k_finish::<S, R>(main, aux, half, acts, &sumi, out);
+        }
+    }
+}
+
+/// The end of a Q4_K block for a tile of `R` rows, shared by the `vpdpbusd` and AMX paths:
+/// `sumi` holds `Σ_j scale_j · dot_j` with i32 chains that took the weights as `q − 8` (or,
+/// with [`Simd::I16_SUMS`], as `q`); add back what the offset took, then the float epilogue
+/// of the scales and the mins. The same operations in the same order on every path, so the
+/// float result depends only on the integer sums.
+#[inline(always)]
+unsafe fn q4k_finish<S: Simd, const R: usize>(
+    main: *const u8,
+    aux: *const u8,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &[S::I; R],
+    out: &mut [S::F; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let lanes = S::LANES;
+        let mut sumi = *sumi;
+        if !S::I16_SUMS {
+            // The i32 chains took the weights as `q − 8` ([`scale_chains`]): add back
+            // `8 · Σ_j scale_j · Σx_j`, one `vpdpwssd` per pair of sub-blocks.
             for p in 0..4 {
-                let mp = S::load_u8_i16(main.add(2048 + 128 + 32 * p + 2 * lanes * half));
+                let sc = S::load_u8_pair16(main.add(2048 + 32 * p + lanes * half));
                 for r in 0..R {
-                    let bs = S::bcast((*acts[r]).bs32p.as_ptr().add(p) as *const u8);
-                    summ[r] = S::dpwssd(summ[r], mp, bs);
+                    let bs = S::bcast((*acts[r]).bs32p8.as_ptr().add(p) as *const u8);
+                    sumi[r] = S::dpwssd(sumi[r], sc, bs);
                 }
             }
-            let dmin = S::load_f16(aux.add(32 + 2 * lanes * half));
+        }
+        epi32::<S, _, R>(S::load_f16(aux.add(2 * lanes * half)), &sumi, acts, out);
+        let mut summ = [S::zero(); R];
+        for p in 0..4 {
+            let mp = S::load_u8_i16(main.add(2048 + 128 + 32 * p + 2 * lanes * half));
             for r in 0..R {
-                let xd = S::fbcast((*acts[r]).d);
-                out[r] = S::fnmadd(S::cvt(summ[r]), S::mul(dmin, xd), out[r]);
+                let bs = S::bcast((*acts[r]).bs32p.as_ptr().add(p) as *const u8);
+                summ[r] = S::dpwssd(summ[r], mp, bs);
             }
+        }
+        let dmin = S::load_f16(aux.add(32 + 2 * lanes * half));
+        for r in 0..R {
+            let xd = S::fbcast((*acts[r]).d);
+            out[r] = S::fnmadd(S::cvt(summ[r]), S::mul(dmin, xd), out[r]);
         }
     }
 }
@@ -1726,6 +1784,22 @@ impl Format for Q6K {
     // 32 low-nibble lines, 16 lines of 2-bit high parts, 16 × 16 scales.
     const MAIN: usize = 2048 + 1024 + 256;
     const AUX: usize = 32;
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn columns_amx(
+        p: &Packed<Q6K>,
+        acts: &[ActK],
+        m: usize,
+        groups: std::ops::Range<usize>,
+        out: OutPtr,
+    ) -> bool {
+        if m < amx::Q6K_MIN_ROWS {
+            return false;
+        }
+        // SAFETY: the caller's contract.
+        unsafe { amx::columns(p, acts, m, groups, out) };
+        true
+    }
 
     fn decode(b: &BlockQ6K) -> ColBlock {
         let mut c = ColBlock::ZERO;
@@ -2656,6 +2730,12 @@ impl<F: Format> Packed<F> {
                 Isa::AvxVnni => run_avxvnni(self, acts, m, groups, out),
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx512Vnni => run_avx512(self, acts, m, groups, out),
+                #[cfg(target_arch = "x86_64")]
+                Isa::Amx => {
+                    if !F::columns_amx(self, acts, m, groups.clone(), out) {
+                        run_avx512(self, acts, m, groups, out)
+                    }
+                }
                 #[cfg(not(target_arch = "x86_64"))]
                 _ => unreachable!(),
             }
@@ -2714,12 +2794,20 @@ pub enum Isa {
     Avx2,
     /// 256-bit `vpdpbusd` (AVX-VNNI).
     AvxVnni,
+    /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI), and AMX-INT8 tiles for Q4_K from 4 rows.
+    Amx,
     /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI).
     Avx512Vnni,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 4] = [Isa::Scalar, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
+    pub const ALL: [Isa; 5] = [
+        Isa::Scalar,
+        Isa::Avx2,
+        Isa::AvxVnni,
+        Isa::Avx512Vnni,
+        Isa::Amx,
+    ];
 
     /// The name `SEQUOIA_KERNEL_ISA` takes.
     pub fn name(self) -> &'static str {
@@ -2728,6 +2816,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::AvxVnni => "avxvnni",
             Isa::Avx512Vnni => "avx512vnni",
+            Isa::Amx => "amx",
         }
     }
 
@@ -2753,6 +2842,7 @@ impl Isa {
                         && is_x86_feature_detected!("avx512bw")
                         && is_x86_feature_detected!("avx512vnni")
                 }
+                Isa::Amx => Isa::Avx512Vnni.available() && amx::available(),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -2763,14 +2853,14 @@ impl Isa {
 
     /// The fastest available path.
     pub fn best() -> Isa {
-        [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
+        [Isa::Amx, Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
             .into_iter()
             .find(|i| i.available())
             .unwrap_or(Isa::Scalar)
     }
 }
 
-/// The path the kernels use: `SEQUOIA_KERNEL_ISA` (scalar|avx2|avxvnni|avx512vnni) if set and
+/// The path the kernels use: `SEQUOIA_KERNEL_ISA` (scalar|avx2|avxvnni|avx512vnni|amx) if set and
 /// available on this CPU, else [`Isa::best`]. Read once.
 pub(crate) fn isa() -> Isa {
     use std::sync::OnceLock;
@@ -2790,7 +2880,7 @@ pub(crate) fn isa() -> Isa {
                 }
                 None => {
                     tracing::warn!(
-                        "SEQUOIA_KERNEL_ISA={v}: unknown (scalar|avx2|avxvnni|avx512vnni); using {}",
+                        "SEQUOIA_KERNEL_ISA={v}: unknown (scalar|avx2|avxvnni|avx512vnni|amx); using {}",
                         best.name()
                     );
                     best

@@ -1,0 +1,491 @@
+//! AMX-INT8 tiles for Q4_K matmuls of several rows (Intel Sapphire Rapids and later).
+//!
+//! One `tdpbssd` multiplies a tile of up to 16 input rows × 32 int8 values (`A`) by 32 values
+//! of 16 weight columns (`B`, 8 rows of 4 values per column: exactly one Q4_K sub-block in the
+//! column-interleaved lines of [`Q4K`]) into 16 × 16 i32 sums (`C`): 8,192 multiply-adds in one
+//! instruction, where `vpdpbusd` does 64. Measured on a Xeon (family 6 model 207), one core:
+//! 1.8 T multiply-adds/s at this shape against 0.5 T for 512-bit `vpdpbusd`.
+//!
+//! Per (column group, block) the kernel unpacks the block's nibbles once into int8 `q − 8`
+//! (4 KiB, stays in L1) and every 16-row tile of the stripe multiplies against it. Each
+//! sub-block's `C` is stored and scaled into the row's i32 sums by one `vpdpwssd` per row: a
+//! sub-block's dot of `q − 8` is at most 32 · 8 · 127 = 32,512, so it fits the low i16 of
+//! the lane (see [`super::scale_chains`]). The i32 sums are therefore the same integers the
+//! `vpdpbusd` chains produce, and the block ends in the same [`q4k_finish`]: the results are
+//! bit-identical to every other path.
+//!
+//! The tile registers: `tmm0`, `tmm1` the `C` of a full tile (16 rows); `tmm2`/`tmm3` the `C`
+//! and `A` of the last, partial tile (`m mod 16` rows); `tmm4`, `tmm5` the `B` of two
+//! sub-blocks; `tmm6`, `tmm7` the `A` of a full tile. Linux hands out tile state only on
+//! request ([`available`] asks once per process); each call configures the tiles of its thread
+//! and releases them when done.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+
+use super::x86::Avx512 as S;
+use super::{
+    epi32, pf_dist, prefetch, q4k_finish, q6k_unpack, ActK, Format, OutPtr, Packed, Simd, G, Q4K, Q6K,
+};
+
+/// From this many input rows the tiles beat the `vpdpbusd` path: at 8 rows the two ran even,
+/// at 10 the tiles 1.25× faster (`kernel_loop Q4K ROWS 1 3 amx`, 8960 × 1536, one thread,
+/// Xeon family 6 model 207).
+pub(super) const MIN_ROWS: usize = 9;
+/// Q6_K's tiles pay only from more rows: its scales take a 32-bit multiply per row and
+/// sub-block ([`tile_q6k`]). In the 1.5B target's forward (2 threads, same Xeon) they cost
+/// 5.7 ms of 78 at 16 rows, gained 1.5 ms of 132 at 32 and 7 of 247 at 64.
+pub(super) const Q6K_MIN_ROWS: usize = 32;
+/// Rows of a full tile.
+const TM: usize = 16;
+/// Rows that pass over one unpacked block before the next group: their float sums (4 KiB)
+/// and one block of their activations (33 KiB) stay in L1/L2.
+const STRIPE: usize = 64;
+
+/// `ldtilecfg`'s 64-byte operand (palette 1).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+#[repr(C, align(64))]
+struct Aligned<T>(T);
+
+/// Whether this CPU and OS run AMX-INT8 tiles (AMX-TILE and AMX-INT8 in CPUID, and Linux
+/// granted this process the tile data state). Asked once.
+pub(super) fn available() -> bool {
+    use std::sync::OnceLock;
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        // SAFETY: CPUID leaf 0 exists on every x86-64 CPU; leaf 7 is read only if listed.
+        // (Safe functions since Rust 1.87; `unsafe` keeps the crate's rust-version building.)
+        #[allow(unused_unsafe)]
+        let edx = unsafe {
+            if __cpuid(0).eax < 7 {
+                return false;
+            }
+            __cpuid_count(7, 0).edx
+        };
+        let (tile, int8) = ((edx >> 24) & 1 == 1, (edx >> 25) & 1 == 1);
+        tile && int8 && request_tile_state()
+    })
+}
+
+/// Linux enables the 8 KiB of tile registers per process on request (`arch_prctl`), so that
+/// processes that never use them do not pay for saving them.
+#[cfg(target_os = "linux")]
+fn request_tile_state() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: a request with no memory operands; failure (an older kernel, a VM without the
+    // state) is an error code.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_state() -> bool {
+    false
+}
+
+/// A format with a tile kernel: how to unpack a (group, block) slot to int8 and multiply a
+/// tile of rows against it.
+pub(super) trait TileFormat: Format<Act = ActK> {
+    /// Values per sub-block (one scale): the `K` of one tile product.
+    const SUB: usize;
+    /// Unpack the slot at `main` into int8 sub-blocks at `w` (`SUB · 16` bytes each, in the
+    /// layout of `B`: 4 values of each of the 16 columns per 64-byte row), prefetching the
+    /// slot at `pf` (0: none).
+    ///
+    /// # Safety
+    /// `main` is a slot of this format, `w` 4 KiB.
+    unsafe fn unpack(main: *const u8, w: *mut u8, pf: usize, end: usize);
+    /// One block for a tile of `R` rows into the float sums at `o` (see [`Q4K`]'s).
+    ///
+    /// # Safety
+    /// As [`tile_q4k`].
+    unsafe fn tile<const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        w: *const u8,
+        c: *mut u8,
+        a: *const ActK,
+        o: *mut [f32; G],
+        tile_rows: usize,
+    );
+}
+
+impl TileFormat for Q4K {
+    const SUB: usize = 32;
+    #[inline(always)]
+    unsafe fn unpack(main: *const u8, w: *mut u8, pf: usize, end: usize) {
+        // SAFETY: the caller's contract.
+        unsafe { unpack_q4k(main, w, pf, end) }
+    }
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        w: *const u8,
+        c: *mut u8,
+        a: *const ActK,
+        o: *mut [f32; G],
+        tile_rows: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_q4k::<R>(main, aux, w, c, a, o, tile_rows) }
+    }
+}
+
+impl TileFormat for Q6K {
+    const SUB: usize = 16;
+    #[inline(always)]
+    unsafe fn unpack(main: *const u8, w: *mut u8, pf: usize, end: usize) {
+        // SAFETY: the caller's contract.
+        unsafe { unpack_q6k(main, w, pf, end) }
+    }
+    #[inline(always)]
+    unsafe fn tile<const R: usize>(
+        main: *const u8,
+        aux: *const u8,
+        w: *const u8,
+        c: *mut u8,
+        a: *const ActK,
+        o: *mut [f32; G],
+        tile_rows: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { tile_q6k::<R>(main, aux, w, c, a, o, tile_rows) }
+    }
+}
+
+/// Output columns of groups `groups` for the `m` rows of `acts` (see [`Packed::columns`]).
+///
+/// # Safety
+/// [`available`] and AVX-512 VNNI; `out` wraps a live `m × n` output whose columns of these
+/// groups no other thread writes meanwhile; `m >= 1`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn columns<F: TileFormat>(
+    p: &Packed<F>,
+    acts: &[ActK],
+    m: usize,
+    groups: std::ops::Range<usize>,
+    out: OutPtr,
+) {
+    assert_eq!(acts.len(), m * p.kb);
+    // Every `A` and `C` holds `min(m, 16)` rows (see [`tile`]).
+    let tm = m.min(TM);
+    let mut cfg = TileConfig {
+        palette: 1,
+        start_row: 0,
+        reserved: [0; 14],
+        colsb: [0; 16],
+        rows: [0; 16],
+    };
+    for t in 0..8 {
+        let (rows, bytes) = match t {
+            0..=3 => (tm, 64),
+            4 | 5 => (F::SUB / 4, 64),
+            _ => (tm, F::SUB),
+        };
+        cfg.rows[t] = rows as u8;
+        cfg.colsb[t] = bytes as u16;
+    }
+    // Scratch written before it is read, left uninitialized: zeroing 24 KiB cost ~7 % of a
+    // call of 4 groups.
+    let mut w = std::mem::MaybeUninit::<Aligned<[u8; 4096]>>::uninit();
+    let mut c = std::mem::MaybeUninit::<Aligned<[u8; 16384]>>::uninit();
+    let mut acc = std::mem::MaybeUninit::<Aligned<[[f32; G]; STRIPE]>>::uninit();
+    let (wp, cp) = (w.as_mut_ptr() as *mut u8, c.as_mut_ptr() as *mut u8);
+    let accp = acc.as_mut_ptr() as *mut [f32; G];
+    // SAFETY: AMX available (caller); the configuration is a valid palette-1 layout.
+    unsafe { asm!("ldtilecfg [{}]", in(reg) &cfg, options(nostack, readonly)) };
+    let base = p.bytes().as_ptr();
+    let end = base as usize + p.size_bytes();
+    let dist = pf_dist::<F>(m);
+    for r0 in (0..m).step_by(STRIPE) {
+        let r1 = (r0 + STRIPE).min(m);
+        for gi in groups.clone() {
+            // SAFETY: group `gi` exists (caller): its slots lie inside the weights; rows
+            // `r0..r1` of every block exist in `acts`; the buffers are local.
+            unsafe {
+                let g = base.add(gi * p.gstride);
+                let aux = g.add(p.kb * F::MAIN);
+                std::slice::from_raw_parts_mut(accp, r1 - r0).fill([0.0; G]);
+                for b in 0..p.kb {
+                    let main = g.add(b * F::MAIN);
+                    // The first stripe streams the group from memory: prefetch ahead.
+                    let pf = if r0 == 0 && dist > 0 {
+                        main as usize + dist
+                    } else {
+                        0
+                    };
+                    F::unpack(main, wp, pf, end);
+                    if pf != 0 {
+                        prefetch(aux.add(b * F::AUX) as usize + dist, end);
+                    }
+                    let blk = acts.as_ptr().add(b * m);
+                    let baux = aux.add(b * F::AUX);
+                    for t0 in (r0..r1).step_by(TM) {
+                        let rows = (r1 - t0).min(TM);
+                        debug_assert!(rows <= tm && t0 + rows >= tm);
+                        let a = blk.add(t0);
+                        let o = accp.add(t0 - r0);
+                        macro_rules! go {
+                            ($($n:literal)*) => {
+                                match rows {
+                                    $($n => F::tile::<$n>(main, baux, wp, cp, a, o, tm),)*
+                                    _ => unreachable!(),
+                                }
+                            };
+                        }
+                        go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+                    }
+                }
+                let c0 = gi * G;
+                let valid = G.min(p.n - c0);
+                for r in r0..r1 {
+                    std::ptr::copy_nonoverlapping(
+                        (*accp.add(r - r0)).as_ptr(),
+                        out.at(r, c0, valid),
+                        valid,
+                    );
+                }
+            }
+        }
+    }
+    // SAFETY: releases this thread's tile state.
+    unsafe { asm!("tilerelease", options(nostack, nomem)) };
+}
+
+/// A Q4_K (group, block) slot's 32 nibble lines as int8 `q − 8` in `w`: sub-block `s` at
+/// `512 · s`, its k-group `t` at `+ 64 · t` (the low nibbles of line `c` are k-group `c`, the
+/// high ones k-group `32 + c`). Prefetches the slot at `pf` (0: none) a line at a time.
+#[inline(always)]
+unsafe fn unpack_q4k(main: *const u8, w: *mut u8, pf: usize, end: usize) {
+    // SAFETY: `main` is a slot of 32 lines, `w` 4 KiB (caller).
+    unsafe {
+        let m4 = _mm512_set1_epi8(0x0F);
+        let e8 = _mm512_set1_epi8(8);
+        // Four passes of 8 lines (one pair of sub-blocks), each prefetching 9 lines ahead:
+        // one branch per pass, and a body the compiler unrolls.
+        for j in 0..4 {
+            if pf != 0 {
+                for l in 0..8 {
+                    prefetch(pf + 512 * j + 64 * l, end);
+                }
+                // A line of the scales and mins, after the nibbles.
+                prefetch(pf + 2048 + 64 * j, end);
+            }
+            let (src, dst) = (main.add(512 * j), w.add(512 * j));
+            for l in 0..8 {
+                let v = _mm512_loadu_si512(src.add(64 * l) as *const _);
+                let lo = _mm512_sub_epi8(_mm512_and_si512(v, m4), e8);
+                let hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16::<4>(v), m4), e8);
+                _mm512_store_si512(dst.add(64 * l) as *mut _, lo);
+                _mm512_store_si512(dst.add(2048 + 64 * l) as *mut _, hi);
+            }
+        }
+    }
+}
+
+/// One block for a tile of `R` rows (`a`: the first row's activation block, the rest after
+/// it): the 8 sub-block products in tiles, scaled into i32 sums, then [`q4k_finish`] into the
+/// float sums at `o`. The tiles hold `min(m, 16)` rows; a tile of fewer rows than that is the
+/// last one of a longer input and starts `TM − R` rows early, its first rows computed twice and
+/// dropped.
+#[inline(always)]
+unsafe fn tile_q4k<const R: usize>(
+    main: *const u8,
+    aux: *const u8,
+    w: *const u8,
+    c: *mut u8,
+    a: *const ActK,
+    o: *mut [f32; G],
+    tile_rows: usize,
+) {
+    // SAFETY: the unpacked block at `w`, 8 KiB at `c`, `tile_rows` live activation blocks at
+    // `a − (tile_rows − R)`, `R` rows of float sums at `o`, tiles configured (caller).
+    unsafe {
+        let stride = std::mem::size_of::<ActK>();
+        let skip = tile_rows - R;
+        let x = a.sub(skip) as *const u8;
+        // Sub-block `s` (values 32s..32s + 32): `A` from the activations, `B` from the
+        // unpacked block, `C` into 1 KiB at `c + 1024 s`. Four `C` and two `A`/`B` registers in
+        // rotation, each `C` stored two sub-blocks after its product starts, so the tile unit
+        // never waits on the store of the product it just made.
+        macro_rules! sub {
+            ($s:literal, $ct:literal, $at:literal, $bt:literal) => {
+                concat!(
+                    "tilezero tmm", $ct, "\n",
+                    "tileloadd tmm", $at, ", [{x} + {xs} * 1 + 32 * ", $s, "]\n",
+                    "tileloadd tmm", $bt, ", [{w} + {s64} * 1 + 512 * ", $s, "]\n",
+                    "tdpbssd tmm", $ct, ", tmm", $at, ", tmm", $bt, "\n",
+                )
+            };
+        }
+        macro_rules! store {
+            ($s:literal, $ct:literal) => {
+                concat!("tilestored [{c} + {s64} * 1 + 1024 * ", $s, "], tmm", $ct, "\n")
+            };
+        }
+        asm!(
+            sub!(0, 0, 6, 4),
+            sub!(1, 1, 7, 5),
+            sub!(2, 2, 6, 4),
+            store!(0, 0),
+            sub!(3, 3, 7, 5),
+            store!(1, 1),
+            sub!(4, 0, 6, 4),
+            store!(2, 2),
+            sub!(5, 1, 7, 5),
+            store!(3, 3),
+            sub!(6, 2, 6, 4),
+            store!(4, 0),
+            sub!(7, 3, 7, 5),
+            store!(5, 1),
+            store!(6, 2),
+            store!(7, 3),
+            x = in(reg) x,
+            xs = in(reg) stride,
+            w = in(reg) w,
+            c = in(reg) c,
+            s64 = in(reg) 64usize,
+            options(nostack),
+        );
+        let mut sumi = [S::zero(); R];
+        for sb in 0..8 {
+            let sc = S::load_u8_i32(main.add(2048 + 16 * sb));
+            let cs = c.add(1024 * sb + 64 * skip);
+            for (r, v) in sumi.iter_mut().enumerate() {
+                *v = S::dpwssd(*v, S::load(cs.add(64 * r)), sc);
+            }
+        }
+        let acts: [*const ActK; R] = std::array::from_fn(|r| a.add(r));
+        let mut f: [__m512; R] = std::array::from_fn(|r| S::fload((*o.add(r)).as_ptr()));
+        q4k_finish::<S, R>(main, aux, 0, &acts, &sumi, &mut f);
+        for (r, v) in f.iter().enumerate() {
+            S::store((*o.add(r)).as_mut_ptr(), *v);
+        }
+    }
+}
+
+/// A Q6_K (group, block) slot as int8 `q − 32` in `w`: sub-block `s` (16 values) at
+/// `256 · s`, its k-group `t` at `+ 64 · t`. The slot's bit planes hold k-group `16 q + l` in
+/// quarter `q` of line `l` ([`Q6K`]); prefetches the slot at `pf` (0: none).
+#[inline(always)]
+unsafe fn unpack_q6k(main: *const u8, w: *mut u8, pf: usize, end: usize) {
+    // SAFETY: `main` is a Q6_K slot, `w` 4 KiB (caller).
+    unsafe {
+        let e32 = _mm512_set1_epi8(32);
+        for l4 in 0..4 {
+            if pf != 0 {
+                // 13 of the slot's 52 lines per pass.
+                for i in 0..13 {
+                    prefetch(pf + 64 * (13 * l4 + i), end);
+                }
+            }
+            for l in 4 * l4..4 * l4 + 4 {
+                let hv = S::load(main.add(2048 + 64 * l));
+                let va = S::load(main.add(64 * l));
+                let vb = S::load(main.add(64 * (16 + l)));
+                for q in 0..4 {
+                    let v = q6k_unpack::<S>(if q % 2 == 1 { vb } else { va }, hv, q);
+                    _mm512_store_si512(w.add(64 * (16 * q + l)) as *mut _, _mm512_sub_epi8(v, e32));
+                }
+            }
+        }
+    }
+}
+
+/// [`tile_q4k`] for Q6_K: 16 sub-blocks of 16 values. A sub-block's dot of `q − 32` reaches
+/// 16 · 32 · 127 = 65,024, past i16, so the scale is a 32-bit multiply.
+#[inline(always)]
+unsafe fn tile_q6k<const R: usize>(
+    main: *const u8,
+    aux: *const u8,
+    w: *const u8,
+    c: *mut u8,
+    a: *const ActK,
+    o: *mut [f32; G],
+    tile_rows: usize,
+) {
+    // SAFETY: as [`tile_q4k`]; `c` holds 16 KiB.
+    unsafe {
+        let stride = std::mem::size_of::<ActK>();
+        let skip = tile_rows - R;
+        let x = a.sub(skip) as *const u8;
+        macro_rules! sub {
+            ($s:literal, $ct:literal, $at:literal, $bt:literal) => {
+                concat!(
+                    "tilezero tmm", $ct, "\n",
+                    "tileloadd tmm", $at, ", [{x} + {xs} * 1 + 16 * ", $s, "]\n",
+                    "tileloadd tmm", $bt, ", [{w} + {s64} * 1 + 256 * ", $s, "]\n",
+                    "tdpbssd tmm", $ct, ", tmm", $at, ", tmm", $bt, "\n",
+                )
+            };
+        }
+        macro_rules! store {
+            ($s:literal, $ct:literal) => {
+                concat!("tilestored [{c} + {s64} * 1 + 1024 * ", $s, "], tmm", $ct, "\n")
+            };
+        }
+        asm!(
+            sub!(0, 0, 6, 4),
+            sub!(1, 1, 7, 5),
+            sub!(2, 2, 6, 4),
+            store!(0, 0),
+            sub!(3, 3, 7, 5),
+            store!(1, 1),
+            sub!(4, 0, 6, 4),
+            store!(2, 2),
+            sub!(5, 1, 7, 5),
+            store!(3, 3),
+            sub!(6, 2, 6, 4),
+            store!(4, 0),
+            sub!(7, 3, 7, 5),
+            store!(5, 1),
+            sub!(8, 0, 6, 4),
+            store!(6, 2),
+            sub!(9, 1, 7, 5),
+            store!(7, 3),
+            sub!(10, 2, 6, 4),
+            store!(8, 0),
+            sub!(11, 3, 7, 5),
+            store!(9, 1),
+            sub!(12, 0, 6, 4),
+            store!(10, 2),
+            sub!(13, 1, 7, 5),
+            store!(11, 3),
+            sub!(14, 2, 6, 4),
+            store!(12, 0),
+            sub!(15, 3, 7, 5),
+            store!(13, 1),
+            store!(14, 2),
+            store!(15, 3),
+            x = in(reg) x,
+            xs = in(reg) stride,
+            w = in(reg) w,
+            c = in(reg) c,
+            s64 = in(reg) 64usize,
+            options(nostack),
+        );
+        let mut sumi = [S::zero(); R];
+        for sb in 0..16 {
+            let sc = S::load_i8_i32(main.add(3072 + 16 * sb));
+            let cs = c.add(1024 * sb + 64 * skip);
+            for (r, v) in sumi.iter_mut().enumerate() {
+                *v = _mm512_add_epi32(*v, _mm512_mullo_epi32(S::load(cs.add(64 * r)), sc));
+            }
+        }
+        let acts: [*const ActK; R] = std::array::from_fn(|r| a.add(r));
+        let mut f: [__m512; R] = std::array::from_fn(|r| S::fload((*o.add(r)).as_ptr()));
+        epi32::<S, _, R>(S::load_f16(aux), &sumi, &acts, &mut f);
+        for (r, v) in f.iter().enumerate() {
+            S::store((*o.add(r)).as_mut_ptr(), *v);
+        }
+    }
+}
