@@ -1,6 +1,7 @@
 //! The machine's roofline inputs, measured on the spot: read bandwidth (one thread and all
 //! threads) and the int8 multiply-add peak per core of each dot-product instruction the kernels
-//! use (512-bit `vpdpbusd`, 256-bit `vpdpbusd` (AVX-VNNI), AVX2 `vpmaddubsw` + `vpmaddwd`).
+//! use (512-bit `vpdpbusd`, 256-bit `vpdpbusd` (AVX-VNNI), AVX2 `vpmaddubsw` + `vpmaddwd`,
+//! AMX `tdpbssd`).
 //!
 //! Why measured, not looked up: the CPU model changes between machines (and under VMs), and a
 //! kernel's efficiency only means something against what this machine can do right now.
@@ -19,7 +20,8 @@ pub struct Peaks {
     pub read_gbps_all_threads: f64,
     pub threads: usize,
     /// G int8 multiply-adds per second on one core, per instruction family that this CPU has
-    /// (`"avx512vnni"`, `"avxvnni"`, `"avx2"`).
+    /// (`"avx512vnni"`, `"avxvnni"`, `"avx2"`, and `"amx"`: `tdpbssd` on full 16 × 64-byte
+    /// tiles, more than the kernels' 32-value sub-blocks let them use).
     pub int8_gmacs_per_core: Vec<(String, f64)>,
 }
 
@@ -42,6 +44,10 @@ pub fn measure(threads: usize) -> Peaks {
         if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni") {
             // SAFETY: the features were just checked.
             int8.push(("avx512vnni".to_string(), unsafe { x86::vnni512() }));
+        }
+        if crate::qkernels::Isa::Amx.available() {
+            // SAFETY: AMX-INT8 and the tile state were just checked.
+            int8.push(("amx".to_string(), unsafe { x86::amx_tiles() }));
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni") {
             // SAFETY: as above.
@@ -135,6 +141,43 @@ mod x86 {
             options(nostack),
         );
         ITERS as f64 * 12.0 * 64.0 / t.elapsed().as_secs_f64() / 1e9
+    }
+
+    /// 4 independent `tdpbssd` chains on full tiles (16 rows × 64 int8 against 64 × 16):
+    /// 16,384 multiply-adds each.
+    ///
+    /// # Safety
+    /// AMX-INT8 available with the tile state granted (`Isa::Amx.available()`).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn amx_tiles() -> f64 {
+        // Palette 1; tmm0–3 the sums, tmm4 and tmm5 the operands: 16 rows × 64 bytes each.
+        #[repr(C, align(64))]
+        struct Config([u8; 64]);
+        let mut cfg = Config([0; 64]);
+        cfg.0[0] = 1;
+        for t in 0..6 {
+            cfg.0[16 + 2 * t] = 64;
+            cfg.0[48 + t] = 16;
+        }
+        let iters = ITERS / 4;
+        let t = Instant::now();
+        asm!(
+            "ldtilecfg [{cfg}]",
+            "tilezero tmm4",
+            "tilezero tmm5",
+            "2:",
+            "tdpbssd tmm0, tmm4, tmm5",
+            "tdpbssd tmm1, tmm4, tmm5",
+            "tdpbssd tmm2, tmm4, tmm5",
+            "tdpbssd tmm3, tmm4, tmm5",
+            "dec {n}",
+            "jnz 2b",
+            "tilerelease",
+            cfg = in(reg) &cfg,
+            n = inout(reg) iters => _,
+            options(nostack),
+        );
+        iters as f64 * 4.0 * 16384.0 / t.elapsed().as_secs_f64() / 1e9
     }
 
     /// 12 independent `{vex} vpdpbusd ymm` chains: 32 multiply-adds each.

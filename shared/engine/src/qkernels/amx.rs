@@ -25,7 +25,8 @@ use std::arch::x86_64::*;
 
 use super::x86::Avx512 as S;
 use super::{
-    epi32, pf_dist, prefetch, q4k_finish, q6k_unpack, ActK, Format, OutPtr, Packed, Simd, G, Q4K, Q6K,
+    epi32, pf_dist, prefetch, q4k_finish, q6k_unpack, ActK, Format, OutPtr, Packed, Simd, G, Q4K,
+    Q6K,
 };
 
 /// From this many input rows the tiles beat the `vpdpbusd` path: at 8 rows the two ran even,
@@ -83,7 +84,13 @@ fn request_tile_state() -> bool {
     const XFEATURE_XTILEDATA: libc::c_long = 18;
     // SAFETY: a request with no memory operands; failure (an older kernel, a VM without the
     // state) is an error code.
-    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+    unsafe {
+        libc::syscall(
+            libc::SYS_arch_prctl,
+            ARCH_REQ_XCOMP_PERM,
+            XFEATURE_XTILEDATA,
+        ) == 0
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -320,16 +327,38 @@ unsafe fn tile_q4k<const R: usize>(
         macro_rules! sub {
             ($s:literal, $ct:literal, $at:literal, $bt:literal) => {
                 concat!(
-                    "tilezero tmm", $ct, "\n",
-                    "tileloadd tmm", $at, ", [{x} + {xs} * 1 + 32 * ", $s, "]\n",
-                    "tileloadd tmm", $bt, ", [{w} + {s64} * 1 + 512 * ", $s, "]\n",
-                    "tdpbssd tmm", $ct, ", tmm", $at, ", tmm", $bt, "\n",
+                    "tilezero tmm",
+                    $ct,
+                    "\n",
+                    "tileloadd tmm",
+                    $at,
+                    ", [{x} + {xs} * 1 + 32 * ",
+                    $s,
+                    "]\n",
+                    "tileloadd tmm",
+                    $bt,
+                    ", [{w} + {s64} * 1 + 512 * ",
+                    $s,
+                    "]\n",
+                    "tdpbssd tmm",
+                    $ct,
+                    ", tmm",
+                    $at,
+                    ", tmm",
+                    $bt,
+                    "\n",
                 )
             };
         }
         macro_rules! store {
             ($s:literal, $ct:literal) => {
-                concat!("tilestored [{c} + {s64} * 1 + 1024 * ", $s, "], tmm", $ct, "\n")
+                concat!(
+                    "tilestored [{c} + {s64} * 1 + 1024 * ",
+                    $s,
+                    "], tmm",
+                    $ct,
+                    "\n"
+                )
             };
         }
         asm!(
@@ -421,16 +450,38 @@ unsafe fn tile_q6k<const R: usize>(
         macro_rules! sub {
             ($s:literal, $ct:literal, $at:literal, $bt:literal) => {
                 concat!(
-                    "tilezero tmm", $ct, "\n",
-                    "tileloadd tmm", $at, ", [{x} + {xs} * 1 + 16 * ", $s, "]\n",
-                    "tileloadd tmm", $bt, ", [{w} + {s64} * 1 + 256 * ", $s, "]\n",
-                    "tdpbssd tmm", $ct, ", tmm", $at, ", tmm", $bt, "\n",
+                    "tilezero tmm",
+                    $ct,
+                    "\n",
+                    "tileloadd tmm",
+                    $at,
+                    ", [{x} + {xs} * 1 + 16 * ",
+                    $s,
+                    "]\n",
+                    "tileloadd tmm",
+                    $bt,
+                    ", [{w} + {s64} * 1 + 256 * ",
+                    $s,
+                    "]\n",
+                    "tdpbssd tmm",
+                    $ct,
+                    ", tmm",
+                    $at,
+                    ", tmm",
+                    $bt,
+                    "\n",
                 )
             };
         }
         macro_rules! store {
             ($s:literal, $ct:literal) => {
-                concat!("tilestored [{c} + {s64} * 1 + 1024 * ", $s, "], tmm", $ct, "\n")
+                concat!(
+                    "tilestored [{c} + {s64} * 1 + 1024 * ",
+                    $s,
+                    "], tmm",
+                    $ct,
+                    "\n"
+                )
             };
         }
         asm!(
