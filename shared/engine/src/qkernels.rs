@@ -26,7 +26,8 @@
 //! for any batch size, any position in its row tile and any ISA path.
 //!
 //! **ISA paths** (chosen once at run time, see [`Isa`]): AVX-512 VNNI (16 columns per
-//! register), AVX-VNNI and AVX2 (8 columns, the two halves of a group one after the other) and
+//! register), AMX (the AVX-512 path, with Q4_K from 9 rows and Q6_K from 32 on AMX-INT8 tiles:
+//! [`amx`]), AVX-VNNI and AVX2 (8 columns, the two halves of a group one after the other) and
 //! a portable scalar model of the same lanes (the reference in tests). AVX2 has no `vpdpbusd`:
 //! it sums the `maddubs` products of a whole sub-block in i16 lanes and widens them once, with
 //! the sub-block scale as the other operand of the widening `madd` ([`Simd::I16_SUMS`]; the

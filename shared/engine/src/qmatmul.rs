@@ -849,13 +849,13 @@ mod tests {
         {
             let (n, k) = (37, 2560);
             let kern = packed_kernel::<F>(dtype, n, k);
-            let mut x = inputs(33, k);
-            for r in (0..33).step_by(3) {
+            let mut x = inputs(70, k);
+            for r in (0..70).step_by(3) {
                 x[r * k + 5] = 300.0;
                 x[r * k + 700] = -250.0;
             }
-            let mut alone = vec![0f32; 33 * n];
-            for r in 0..33 {
+            let mut alone = vec![0f32; 70 * n];
+            for r in 0..70 {
                 kern.matmul_isa(
                     Isa::Scalar,
                     1,
@@ -864,7 +864,9 @@ mod tests {
                 );
             }
             for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
-                for m in [1usize, 2, 3, 5, 8, 13, 17, 33] {
+                // 9+ and 32+ rows take the AMX tiles where the CPU has them (17, 33: a last tile
+                // that starts early; 70: a second stripe of 64 rows).
+                for m in [1usize, 2, 3, 5, 8, 13, 17, 33, 70] {
                     let mut got = vec![0f32; m * n];
                     kern.matmul_isa(isa, m, &x[..m * k], &mut got);
                     for r in 0..m {
@@ -907,7 +909,7 @@ mod tests {
         where
             F::Act: InputActs,
         {
-            let (n, k, m) = (16, 512, 5);
+            let (n, k) = (16, 512);
             let signs: [&dyn Fn(usize) -> f32; 3] = [&|_| 1.0, &|_| -1.0, &|i| {
                 if (i / 2) % 2 == 0 {
                     1.0
@@ -920,7 +922,8 @@ mod tests {
                 let kern = PackedKernel {
                     w: Packed::<F>::from_bytes(&raw, n, k),
                 };
-                for sign in signs {
+                // 33 rows: the AMX tiles of both K-quants where the CPU has them.
+                for (sign, m) in signs.into_iter().flat_map(|s| [(s, 5), (s, 33)]) {
                     let x: Vec<f32> = (0..m * k).map(sign).collect();
                     let mut want = vec![0f32; m * n];
                     kern.matmul_isa(Isa::Scalar, m, &x, &mut want);

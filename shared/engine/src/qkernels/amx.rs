@@ -1,4 +1,4 @@
-//! AMX-INT8 tiles for Q4_K matmuls of several rows (Intel Sapphire Rapids and later).
+//! AMX-INT8 tiles for Q4_K and Q6_K matmuls of several rows (Intel Sapphire Rapids and later).
 //!
 //! One `tdpbssd` multiplies a tile of up to 16 input rows × 32 int8 values (`A`) by 32 values
 //! of 16 weight columns (`B`, 8 rows of 4 values per column: exactly one Q4_K sub-block in the
@@ -14,11 +14,15 @@
 //! `vpdpbusd` chains produce, and the block ends in the same [`q4k_finish`]: the results are
 //! bit-identical to every other path.
 //!
-//! The tile registers: `tmm0`, `tmm1` the `C` of a full tile (16 rows); `tmm2`/`tmm3` the `C`
-//! and `A` of the last, partial tile (`m mod 16` rows); `tmm4`, `tmm5` the `B` of two
-//! sub-blocks; `tmm6`, `tmm7` the `A` of a full tile. Linux hands out tile state only on
-//! request ([`available`] asks once per process); each call configures the tiles of its thread
-//! and releases them when done.
+//! Q6_K ([`tile_q6k`]) works the same way on 16-value sub-blocks, unpacked as `q − 32`; its dots
+//! reach 65,024, so the scale is a 32-bit multiply, and the tiles pay only from
+//! [`Q6K_MIN_ROWS`].
+//!
+//! The tile registers: `tmm0`–`tmm3` the `C` of four sub-blocks in rotation, `tmm4`/`tmm5` and
+//! `tmm6`/`tmm7` the `B` and `A` of two. Every `A` and `C` holds `min(m, 16)` rows, so one
+//! configuration serves the whole call. Linux hands out tile state only on request
+//! ([`available`] asks once per process); each call configures the tiles of its thread and
+//! releases them when done.
 
 use std::arch::asm;
 use std::arch::x86_64::*;
