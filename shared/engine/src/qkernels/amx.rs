@@ -14,7 +14,7 @@
 //! `vpdpbusd` chains produce, and the block ends in the same [`q4k_finish`]: the results are
 //! bit-identical to every other path.
 //!
-//! Q6_K ([`tile_q6k`]) works the same way on 16-value sub-blocks, unpacked as `q − 32`; its dots
+//! Q6_K ([`Q6K`]'s [`TileFormat::tile`]) works the same way on 16-value sub-blocks, unpacked as `q − 32`; its dots
 //! reach 65,024, so the scale is a 32-bit multiply, and the tiles pay only from
 //! [`Q6K_MIN_ROWS`].
 //!
@@ -38,7 +38,7 @@ use super::{
 /// Xeon family 6 model 207).
 pub(super) const MIN_ROWS: usize = 9;
 /// Q6_K's tiles pay only from more rows: its scales take a 32-bit multiply per row and
-/// sub-block ([`tile_q6k`]). In the 1.5B target's forward (2 threads, same Xeon) they cost
+/// sub-block ([`Q6K`]'s [`TileFormat::tile`]). In the 1.5B target's forward (2 threads, same Xeon) they cost
 /// 5.7 ms of 78 at 16 rows, gained 1.5 ms of 132 at 32 and 7 of 247 at 64.
 pub(super) const Q6K_MIN_ROWS: usize = 32;
 /// Rows of a full tile.
@@ -117,7 +117,8 @@ pub(super) trait TileFormat: Format<Act = ActK> {
     /// One block for a tile of `R` rows into the float sums at `o` (see [`Q4K`]'s).
     ///
     /// # Safety
-    /// As [`tile_q4k`].
+    /// `tile_rows` live activation blocks end at `a + R`, `R` rows of float sums at `o`, the
+    /// unpacked block at `w`, 16 KiB at `c`, tiles configured ([`columns`]).
     unsafe fn tile<const R: usize>(
         main: *const u8,
         aux: *const u8,
@@ -131,11 +132,43 @@ pub(super) trait TileFormat: Format<Act = ActK> {
 
 impl TileFormat for Q4K {
     const SUB: usize = 32;
+
+    /// A Q4_K (group, block) slot's 32 nibble lines as int8 `q − 8` in `w`: sub-block `s` at
+    /// `512 · s`, its k-group `t` at `+ 64 · t` (the low nibbles of line `c` are k-group `c`, the
+    /// high ones k-group `32 + c`). Prefetches the slot at `pf` (0: none) a line at a time.
     #[inline(always)]
     unsafe fn unpack(main: *const u8, w: *mut u8, pf: usize, end: usize) {
-        // SAFETY: the caller's contract.
-        unsafe { unpack_q4k(main, w, pf, end) }
+        // SAFETY: `main` is a slot of 32 lines, `w` 4 KiB (caller).
+        unsafe {
+            let m4 = _mm512_set1_epi8(0x0F);
+            let e8 = _mm512_set1_epi8(8);
+            // Four passes of 8 lines (one pair of sub-blocks), each prefetching 9 lines ahead:
+            // one branch per pass, and a body the compiler unrolls.
+            for j in 0..4 {
+                if pf != 0 {
+                    for l in 0..8 {
+                        prefetch(pf + 512 * j + 64 * l, end);
+                    }
+                    // A line of the scales and mins, after the nibbles.
+                    prefetch(pf + 2048 + 64 * j, end);
+                }
+                let (src, dst) = (main.add(512 * j), w.add(512 * j));
+                for l in 0..8 {
+                    let v = _mm512_loadu_si512(src.add(64 * l) as *const _);
+                    let lo = _mm512_sub_epi8(_mm512_and_si512(v, m4), e8);
+                    let hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16::<4>(v), m4), e8);
+                    _mm512_store_si512(dst.add(64 * l) as *mut _, lo);
+                    _mm512_store_si512(dst.add(2048 + 64 * l) as *mut _, hi);
+                }
+            }
+        }
     }
+
+    /// One block for a tile of `R` rows (`a`: the first row's activation block, the rest after
+    /// it): the 8 sub-block products in tiles, scaled into i32 sums, then [`q4k_finish`] into the
+    /// float sums at `o`. The tiles hold `min(m, 16)` rows; a tile of fewer rows than that is the
+    /// last one of a longer input and starts `TM − R` rows early, its first rows computed twice and
+    /// dropped.
     #[inline(always)]
     unsafe fn tile<const R: usize>(
         main: *const u8,
@@ -146,18 +179,67 @@ impl TileFormat for Q4K {
         o: *mut [f32; G],
         tile_rows: usize,
     ) {
-        // SAFETY: the caller's contract.
-        unsafe { tile_q4k::<R>(main, aux, w, c, a, o, tile_rows) }
+        // SAFETY: the unpacked block at `w`, 8 KiB at `c`, `tile_rows` live activation blocks at
+        // `a − (tile_rows − R)`, `R` rows of float sums at `o`, tiles configured (caller).
+        unsafe {
+            let stride = std::mem::size_of::<ActK>();
+            let skip = tile_rows - R;
+            let x = a.sub(skip) as *const u8;
+            products::<32>(x, stride, w, c);
+            let mut sumi = [S::zero(); R];
+            for sb in 0..8 {
+                let sc = S::load_u8_i32(main.add(2048 + 16 * sb));
+                let cs = c.add(1024 * sb + 64 * skip);
+                for (r, v) in sumi.iter_mut().enumerate() {
+                    *v = S::dpwssd(*v, S::load(cs.add(64 * r)), sc);
+                }
+            }
+            let acts: [*const ActK; R] = std::array::from_fn(|r| a.add(r));
+            let mut f: [__m512; R] = std::array::from_fn(|r| S::fload((*o.add(r)).as_ptr()));
+            q4k_finish::<S, R>(main, aux, 0, &acts, &sumi, &mut f);
+            for (r, v) in f.iter().enumerate() {
+                S::store((*o.add(r)).as_mut_ptr(), *v);
+            }
+        }
     }
 }
 
 impl TileFormat for Q6K {
     const SUB: usize = 16;
+
+    /// A Q6_K (group, block) slot as int8 `q − 32` in `w`: sub-block `s` (16 values) at
+    /// `256 · s`, its k-group `t` at `+ 64 · t`. The slot's bit planes hold k-group `16 q + l` in
+    /// quarter `q` of line `l` ([`Q6K`]); prefetches the slot at `pf` (0: none).
     #[inline(always)]
     unsafe fn unpack(main: *const u8, w: *mut u8, pf: usize, end: usize) {
-        // SAFETY: the caller's contract.
-        unsafe { unpack_q6k(main, w, pf, end) }
+        // SAFETY: `main` is a Q6_K slot, `w` 4 KiB (caller).
+        unsafe {
+            let e32 = _mm512_set1_epi8(32);
+            for l4 in 0..4 {
+                if pf != 0 {
+                    // 13 of the slot's 52 lines per pass.
+                    for i in 0..13 {
+                        prefetch(pf + 64 * (13 * l4 + i), end);
+                    }
+                }
+                for l in 4 * l4..4 * l4 + 4 {
+                    let hv = S::load(main.add(2048 + 64 * l));
+                    let va = S::load(main.add(64 * l));
+                    let vb = S::load(main.add(64 * (16 + l)));
+                    for q in 0..4 {
+                        let v = q6k_unpack::<S>(if q % 2 == 1 { vb } else { va }, hv, q);
+                        _mm512_store_si512(
+                            w.add(64 * (16 * q + l)) as *mut _,
+                            _mm512_sub_epi8(v, e32),
+                        );
+                    }
+                }
+            }
+        }
     }
+
+    /// Q4_K's [`TileFormat::tile`] for Q6_K: 16 sub-blocks of 16 values. A sub-block's dot of `q − 32` reaches
+    /// 16 · 32 · 127 = 65,024, past i16, so the scale is a 32-bit multiply.
     #[inline(always)]
     unsafe fn tile<const R: usize>(
         main: *const u8,
@@ -169,7 +251,27 @@ impl TileFormat for Q6K {
         tile_rows: usize,
     ) {
         // SAFETY: the caller's contract.
-        unsafe { tile_q6k::<R>(main, aux, w, c, a, o, tile_rows) }
+        unsafe {
+            let stride = std::mem::size_of::<ActK>();
+            let skip = tile_rows - R;
+            let x = a.sub(skip) as *const u8;
+            products::<16>(x, stride, w, c);
+            products::<16>(x.add(128), stride, w.add(2048), c.add(8192));
+            let mut sumi = [S::zero(); R];
+            for sb in 0..16 {
+                let sc = S::load_i8_i32(main.add(3072 + 16 * sb));
+                let cs = c.add(1024 * sb + 64 * skip);
+                for (r, v) in sumi.iter_mut().enumerate() {
+                    *v = _mm512_add_epi32(*v, _mm512_mullo_epi32(S::load(cs.add(64 * r)), sc));
+                }
+            }
+            let acts: [*const ActK; R] = std::array::from_fn(|r| a.add(r));
+            let mut f: [__m512; R] = std::array::from_fn(|r| S::fload((*o.add(r)).as_ptr()));
+            epi32::<S, _, R>(S::load_f16(aux), &sumi, &acts, &mut f);
+            for (r, v) in f.iter().enumerate() {
+                S::store((*o.add(r)).as_mut_ptr(), *v);
+            }
+        }
     }
 }
 
@@ -272,99 +374,56 @@ pub(super) unsafe fn columns<F: TileFormat>(
     unsafe { asm!("tilerelease", options(nostack, nomem)) };
 }
 
-/// A Q4_K (group, block) slot's 32 nibble lines as int8 `q − 8` in `w`: sub-block `s` at
-/// `512 · s`, its k-group `t` at `+ 64 · t` (the low nibbles of line `c` are k-group `c`, the
-/// high ones k-group `32 + c`). Prefetches the slot at `pf` (0: none) a line at a time.
+/// The tile products of 8 sub-blocks of `SUB` values: sub-block `s`'s `A` from the activations
+/// at `x + SUB · s` (rows `stride` apart), its `B` from the unpacked block at `w + 16 · SUB · s`,
+/// its `C` stored at `c + 1024 · s`. Four `C` and two `A`/`B` registers in rotation, each `C`
+/// stored two sub-blocks after its product starts, so the tile unit never waits on the store of
+/// the product it just made.
+///
+/// # Safety
+/// Tiles configured for `SUB` ([`columns`]); the rows of `A`, the 8 sub-blocks at `w` and
+/// 8 KiB at `c` lie in live memory.
 #[inline(always)]
-unsafe fn unpack_q4k(main: *const u8, w: *mut u8, pf: usize, end: usize) {
-    // SAFETY: `main` is a slot of 32 lines, `w` 4 KiB (caller).
-    unsafe {
-        let m4 = _mm512_set1_epi8(0x0F);
-        let e8 = _mm512_set1_epi8(8);
-        // Four passes of 8 lines (one pair of sub-blocks), each prefetching 9 lines ahead:
-        // one branch per pass, and a body the compiler unrolls.
-        for j in 0..4 {
-            if pf != 0 {
-                for l in 0..8 {
-                    prefetch(pf + 512 * j + 64 * l, end);
-                }
-                // A line of the scales and mins, after the nibbles.
-                prefetch(pf + 2048 + 64 * j, end);
-            }
-            let (src, dst) = (main.add(512 * j), w.add(512 * j));
-            for l in 0..8 {
-                let v = _mm512_loadu_si512(src.add(64 * l) as *const _);
-                let lo = _mm512_sub_epi8(_mm512_and_si512(v, m4), e8);
-                let hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16::<4>(v), m4), e8);
-                _mm512_store_si512(dst.add(64 * l) as *mut _, lo);
-                _mm512_store_si512(dst.add(2048 + 64 * l) as *mut _, hi);
-            }
-        }
+unsafe fn products<const SUB: usize>(x: *const u8, stride: usize, w: *const u8, c: *mut u8) {
+    macro_rules! sub {
+        ($s:literal, $ct:literal, $at:literal, $bt:literal) => {
+            concat!(
+                "tilezero tmm",
+                $ct,
+                "\n",
+                "tileloadd tmm",
+                $at,
+                ", [{x} + {xs} * 1 + {xd} * ",
+                $s,
+                "]\n",
+                "tileloadd tmm",
+                $bt,
+                ", [{w} + {s64} * 1 + {wd} * ",
+                $s,
+                "]\n",
+                "tdpbssd tmm",
+                $ct,
+                ", tmm",
+                $at,
+                ", tmm",
+                $bt,
+                "\n",
+            )
+        };
     }
-}
-
-/// One block for a tile of `R` rows (`a`: the first row's activation block, the rest after
-/// it): the 8 sub-block products in tiles, scaled into i32 sums, then [`q4k_finish`] into the
-/// float sums at `o`. The tiles hold `min(m, 16)` rows; a tile of fewer rows than that is the
-/// last one of a longer input and starts `TM − R` rows early, its first rows computed twice and
-/// dropped.
-#[inline(always)]
-unsafe fn tile_q4k<const R: usize>(
-    main: *const u8,
-    aux: *const u8,
-    w: *const u8,
-    c: *mut u8,
-    a: *const ActK,
-    o: *mut [f32; G],
-    tile_rows: usize,
-) {
-    // SAFETY: the unpacked block at `w`, 8 KiB at `c`, `tile_rows` live activation blocks at
-    // `a − (tile_rows − R)`, `R` rows of float sums at `o`, tiles configured (caller).
+    macro_rules! store {
+        ($s:literal, $ct:literal) => {
+            concat!(
+                "tilestored [{c} + {s64} * 1 + 1024 * ",
+                $s,
+                "], tmm",
+                $ct,
+                "\n"
+            )
+        };
+    }
+    // SAFETY: the caller's contract.
     unsafe {
-        let stride = std::mem::size_of::<ActK>();
-        let skip = tile_rows - R;
-        let x = a.sub(skip) as *const u8;
-        // Sub-block `s` (values 32s..32s + 32): `A` from the activations, `B` from the
-        // unpacked block, `C` into 1 KiB at `c + 1024 s`. Four `C` and two `A`/`B` registers in
-        // rotation, each `C` stored two sub-blocks after its product starts, so the tile unit
-        // never waits on the store of the product it just made.
-        macro_rules! sub {
-            ($s:literal, $ct:literal, $at:literal, $bt:literal) => {
-                concat!(
-                    "tilezero tmm",
-                    $ct,
-                    "\n",
-                    "tileloadd tmm",
-                    $at,
-                    ", [{x} + {xs} * 1 + 32 * ",
-                    $s,
-                    "]\n",
-                    "tileloadd tmm",
-                    $bt,
-                    ", [{w} + {s64} * 1 + 512 * ",
-                    $s,
-                    "]\n",
-                    "tdpbssd tmm",
-                    $ct,
-                    ", tmm",
-                    $at,
-                    ", tmm",
-                    $bt,
-                    "\n",
-                )
-            };
-        }
-        macro_rules! store {
-            ($s:literal, $ct:literal) => {
-                concat!(
-                    "tilestored [{c} + {s64} * 1 + 1024 * ",
-                    $s,
-                    "], tmm",
-                    $ct,
-                    "\n"
-                )
-            };
-        }
         asm!(
             sub!(0, 0, 6, 4),
             sub!(1, 1, 7, 5),
@@ -387,160 +446,9 @@ unsafe fn tile_q4k<const R: usize>(
             w = in(reg) w,
             c = in(reg) c,
             s64 = in(reg) 64usize,
+            xd = const SUB,
+            wd = const 16 * SUB,
             options(nostack),
         );
-        let mut sumi = [S::zero(); R];
-        for sb in 0..8 {
-            let sc = S::load_u8_i32(main.add(2048 + 16 * sb));
-            let cs = c.add(1024 * sb + 64 * skip);
-            for (r, v) in sumi.iter_mut().enumerate() {
-                *v = S::dpwssd(*v, S::load(cs.add(64 * r)), sc);
-            }
-        }
-        let acts: [*const ActK; R] = std::array::from_fn(|r| a.add(r));
-        let mut f: [__m512; R] = std::array::from_fn(|r| S::fload((*o.add(r)).as_ptr()));
-        q4k_finish::<S, R>(main, aux, 0, &acts, &sumi, &mut f);
-        for (r, v) in f.iter().enumerate() {
-            S::store((*o.add(r)).as_mut_ptr(), *v);
-        }
-    }
-}
-
-/// A Q6_K (group, block) slot as int8 `q − 32` in `w`: sub-block `s` (16 values) at
-/// `256 · s`, its k-group `t` at `+ 64 · t`. The slot's bit planes hold k-group `16 q + l` in
-/// quarter `q` of line `l` ([`Q6K`]); prefetches the slot at `pf` (0: none).
-#[inline(always)]
-unsafe fn unpack_q6k(main: *const u8, w: *mut u8, pf: usize, end: usize) {
-    // SAFETY: `main` is a Q6_K slot, `w` 4 KiB (caller).
-    unsafe {
-        let e32 = _mm512_set1_epi8(32);
-        for l4 in 0..4 {
-            if pf != 0 {
-                // 13 of the slot's 52 lines per pass.
-                for i in 0..13 {
-                    prefetch(pf + 64 * (13 * l4 + i), end);
-                }
-            }
-            for l in 4 * l4..4 * l4 + 4 {
-                let hv = S::load(main.add(2048 + 64 * l));
-                let va = S::load(main.add(64 * l));
-                let vb = S::load(main.add(64 * (16 + l)));
-                for q in 0..4 {
-                    let v = q6k_unpack::<S>(if q % 2 == 1 { vb } else { va }, hv, q);
-                    _mm512_store_si512(w.add(64 * (16 * q + l)) as *mut _, _mm512_sub_epi8(v, e32));
-                }
-            }
-        }
-    }
-}
-
-/// [`tile_q4k`] for Q6_K: 16 sub-blocks of 16 values. A sub-block's dot of `q − 32` reaches
-/// 16 · 32 · 127 = 65,024, past i16, so the scale is a 32-bit multiply.
-#[inline(always)]
-unsafe fn tile_q6k<const R: usize>(
-    main: *const u8,
-    aux: *const u8,
-    w: *const u8,
-    c: *mut u8,
-    a: *const ActK,
-    o: *mut [f32; G],
-    tile_rows: usize,
-) {
-    // SAFETY: as [`tile_q4k`]; `c` holds 16 KiB.
-    unsafe {
-        let stride = std::mem::size_of::<ActK>();
-        let skip = tile_rows - R;
-        let x = a.sub(skip) as *const u8;
-        macro_rules! sub {
-            ($s:literal, $ct:literal, $at:literal, $bt:literal) => {
-                concat!(
-                    "tilezero tmm",
-                    $ct,
-                    "\n",
-                    "tileloadd tmm",
-                    $at,
-                    ", [{x} + {xs} * 1 + 16 * ",
-                    $s,
-                    "]\n",
-                    "tileloadd tmm",
-                    $bt,
-                    ", [{w} + {s64} * 1 + 256 * ",
-                    $s,
-                    "]\n",
-                    "tdpbssd tmm",
-                    $ct,
-                    ", tmm",
-                    $at,
-                    ", tmm",
-                    $bt,
-                    "\n",
-                )
-            };
-        }
-        macro_rules! store {
-            ($s:literal, $ct:literal) => {
-                concat!(
-                    "tilestored [{c} + {s64} * 1 + 1024 * ",
-                    $s,
-                    "], tmm",
-                    $ct,
-                    "\n"
-                )
-            };
-        }
-        asm!(
-            sub!(0, 0, 6, 4),
-            sub!(1, 1, 7, 5),
-            sub!(2, 2, 6, 4),
-            store!(0, 0),
-            sub!(3, 3, 7, 5),
-            store!(1, 1),
-            sub!(4, 0, 6, 4),
-            store!(2, 2),
-            sub!(5, 1, 7, 5),
-            store!(3, 3),
-            sub!(6, 2, 6, 4),
-            store!(4, 0),
-            sub!(7, 3, 7, 5),
-            store!(5, 1),
-            sub!(8, 0, 6, 4),
-            store!(6, 2),
-            sub!(9, 1, 7, 5),
-            store!(7, 3),
-            sub!(10, 2, 6, 4),
-            store!(8, 0),
-            sub!(11, 3, 7, 5),
-            store!(9, 1),
-            sub!(12, 0, 6, 4),
-            store!(10, 2),
-            sub!(13, 1, 7, 5),
-            store!(11, 3),
-            sub!(14, 2, 6, 4),
-            store!(12, 0),
-            sub!(15, 3, 7, 5),
-            store!(13, 1),
-            store!(14, 2),
-            store!(15, 3),
-            x = in(reg) x,
-            xs = in(reg) stride,
-            w = in(reg) w,
-            c = in(reg) c,
-            s64 = in(reg) 64usize,
-            options(nostack),
-        );
-        let mut sumi = [S::zero(); R];
-        for sb in 0..16 {
-            let sc = S::load_i8_i32(main.add(3072 + 16 * sb));
-            let cs = c.add(1024 * sb + 64 * skip);
-            for (r, v) in sumi.iter_mut().enumerate() {
-                *v = _mm512_add_epi32(*v, _mm512_mullo_epi32(S::load(cs.add(64 * r)), sc));
-            }
-        }
-        let acts: [*const ActK; R] = std::array::from_fn(|r| a.add(r));
-        let mut f: [__m512; R] = std::array::from_fn(|r| S::fload((*o.add(r)).as_ptr()));
-        epi32::<S, _, R>(S::load_f16(aux), &sumi, &acts, &mut f);
-        for (r, v) in f.iter().enumerate() {
-            S::store((*o.add(r)).as_mut_ptr(), *v);
-        }
     }
 }
