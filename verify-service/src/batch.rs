@@ -129,9 +129,10 @@ enum Done {
 /// tree is in this batch, or it is between steps and may send one while this forward runs), as
 /// many rows as keep the forward within `1 + prefill_share` times what the trees of every open
 /// session take (`load_rows`: the open sessions times the rows per tree of this batch, or of
-/// recent batches, and at least the `tree_rows` of this batch) at the fitted `cost` (fixed ms, ms per row). Once every session
-/// runs, that is `prefill_share` of the batch's own trees; while new prompts are still coming
-/// in, it is more, and those sessions join the batches sooner. At least one row per
+/// recent batches, and at least the `tree_rows` of this batch) at the fitted `cost` (fixed ms,
+/// ms per row). Once every session runs, that is `prefill_share` of the batch's own trees;
+/// while new prompts are still coming in, it is more, and those sessions join the batches
+/// sooner. At least one row per
 /// `prefilling` session (a prompt waiting behind others is not starved) and at most
 /// `prefill_chunk`; the whole chunk before the node has a fit.
 fn prefill_budget(

@@ -31,7 +31,8 @@
 //!   kernel re-reads and re-decodes the whole weight matrix for every input row (a 16-node tree
 //!   cost 21 decodes) and has no SIMD path for Q5_0; ours repack the weights at load into
 //!   column-interleaved groups and use each weight byte for every row of the batch (AVX-512
-//!   VNNI (with AMX tiles for many rows) / AVX-VNNI / AVX2 / scalar, picked at run time or by `SEQUOIA_KERNEL_ISA`);
+//!   VNNI with AMX tiles for many rows / AVX-512 VNNI / AVX-VNNI / AVX2 / scalar, picked at run
+//!   time or by `SEQUOIA_KERNEL_ISA`);
 //! - `attention`: the CPU attention kernel (fixed-order loops over each node's visible keys);
 //! - [`testing`]: tiny random-weight models for tests, including "draft-like" perturbed copies.
 //!

@@ -44,6 +44,8 @@ use std::arch::x86_64::*;
 
 #[cfg(target_arch = "x86_64")]
 mod amx;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use amx::peak_gmacs as amx_peak_gmacs;
 
 use half::f16;
 
@@ -1630,12 +1632,8 @@ impl Format for Q4K {
         groups: std::ops::Range<usize>,
         out: OutPtr,
     ) -> bool {
-        if m < amx::MIN_ROWS {
-            return false;
-        }
         // SAFETY: the caller's contract.
-        unsafe { amx::columns(p, acts, m, groups, out) };
-        true
+        unsafe { amx::try_columns(p, acts, m, groups, out) }
     }
 
     fn decode(b: &BlockQ4K) -> ColBlock {
@@ -1794,12 +1792,8 @@ impl Format for Q6K {
         groups: std::ops::Range<usize>,
         out: OutPtr,
     ) -> bool {
-        if m < amx::Q6K_MIN_ROWS {
-            return false;
-        }
         // SAFETY: the caller's contract.
-        unsafe { amx::columns(p, acts, m, groups, out) };
-        true
+        unsafe { amx::try_columns(p, acts, m, groups, out) }
     }
 
     fn decode(b: &BlockQ6K) -> ColBlock {
@@ -2795,7 +2789,8 @@ pub enum Isa {
     Avx2,
     /// 256-bit `vpdpbusd` (AVX-VNNI).
     AvxVnni,
-    /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI), and AMX-INT8 tiles for Q4_K from 4 rows.
+    /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI), with AMX-INT8 tiles for Q4_K from 9 rows and
+    /// Q6_K from 32.
     Amx,
     /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI).
     Avx512Vnni,
@@ -2861,8 +2856,8 @@ impl Isa {
     }
 }
 
-/// The path the kernels use: `SEQUOIA_KERNEL_ISA` (scalar|avx2|avxvnni|avx512vnni|amx) if set and
-/// available on this CPU, else [`Isa::best`]. Read once.
+/// The path the kernels use: `SEQUOIA_KERNEL_ISA` (scalar|avx2|avxvnni|avx512vnni|amx) if set
+/// and available on this CPU, else [`Isa::best`]. Read once.
 pub(crate) fn isa() -> Isa {
     use std::sync::OnceLock;
     static ISA: OnceLock<Isa> = OnceLock::new();

@@ -7,7 +7,8 @@
 //! kernel's efficiency only means something against what this machine can do right now.
 //! `sequoia engine-bench --kernels` prints each kernel's G MAC/s and GB/s as a share of these.
 //! The peak loops are inline assembly so the compiler cannot merge or hoist the independent
-//! accumulator chains.
+//! accumulator chains. The AMX loop lives with the tile kernels (`qkernels/amx.rs`), which own
+//! the tile configuration.
 
 use std::time::Instant;
 
@@ -47,7 +48,9 @@ pub fn measure(threads: usize) -> Peaks {
         }
         if crate::qkernels::Isa::Amx.available() {
             // SAFETY: AMX-INT8 and the tile state were just checked.
-            int8.push(("amx".to_string(), unsafe { x86::amx_tiles() }));
+            int8.push(("amx".to_string(), unsafe {
+                crate::qkernels::amx_peak_gmacs(2_500_000)
+            }));
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("avxvnni") {
             // SAFETY: as above.
@@ -141,43 +144,6 @@ mod x86 {
             options(nostack),
         );
         ITERS as f64 * 12.0 * 64.0 / t.elapsed().as_secs_f64() / 1e9
-    }
-
-    /// 4 independent `tdpbssd` chains on full tiles (16 rows × 64 int8 against 64 × 16):
-    /// 16,384 multiply-adds each.
-    ///
-    /// # Safety
-    /// AMX-INT8 available with the tile state granted (`Isa::Amx.available()`).
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn amx_tiles() -> f64 {
-        // Palette 1; tmm0–3 the sums, tmm4 and tmm5 the operands: 16 rows × 64 bytes each.
-        #[repr(C, align(64))]
-        struct Config([u8; 64]);
-        let mut cfg = Config([0; 64]);
-        cfg.0[0] = 1;
-        for t in 0..6 {
-            cfg.0[16 + 2 * t] = 64;
-            cfg.0[48 + t] = 16;
-        }
-        let iters = ITERS / 4;
-        let t = Instant::now();
-        asm!(
-            "ldtilecfg [{cfg}]",
-            "tilezero tmm4",
-            "tilezero tmm5",
-            "2:",
-            "tdpbssd tmm0, tmm4, tmm5",
-            "tdpbssd tmm1, tmm4, tmm5",
-            "tdpbssd tmm2, tmm4, tmm5",
-            "tdpbssd tmm3, tmm4, tmm5",
-            "dec {n}",
-            "jnz 2b",
-            "tilerelease",
-            cfg = in(reg) &cfg,
-            n = inout(reg) iters => _,
-            options(nostack),
-        );
-        iters as f64 * 4.0 * 16384.0 / t.elapsed().as_secs_f64() / 1e9
     }
 
     /// 12 independent `{vex} vpdpbusd ymm` chains: 32 multiply-adds each.
