@@ -169,6 +169,10 @@ pub struct PipelineConfig {
     /// Grow a generation's first tree while the verify node prefills its prompt (the tree the
     /// latest pipelined generation started with), instead of after.
     pub first_tree_during_prefill: bool,
+    /// Send that first tree right behind the `open` when it is whole before the verify node
+    /// has prefilled the prompt: the node verifies it as soon as its prefill ends, which saves
+    /// the first step a round trip. Exact either way.
+    pub first_tree_with_open: bool,
     /// Send each candidate's next tree to the verify node as soon as it is grown, before the
     /// verdict it assumes has come back: the node verifies it right after that verdict if the
     /// assumption holds (no round trip between the two), and drops it otherwise. Needs verify
@@ -234,6 +238,7 @@ impl Default for PipelineConfig {
             candidates: 2,
             max_forwards: 16,
             first_tree_during_prefill: true,
+            first_tree_with_open: true,
             send_ahead: true,
         }
     }

@@ -229,3 +229,67 @@ fn the_first_tree_grows_during_the_verify_prefill_without_changing_the_output() 
     let next = run(piped(PROMPTS[0], 12, 0.0, 1, true));
     assert!(!next.summary.expect("summary").first_tree_early);
 }
+
+/// When that first tree is whole before the verify node has answered the `open` (here the node
+/// is 300 ms of round trip away), it goes right behind the `open`, and the node verifies it as
+/// soon as its prefill ends (docs/ALGORITHMS.md §10, "The first tree goes with the open"). The
+/// output does not change: greedy output is the target's own, and seeded sampled output is the
+/// same with `pipeline.first_tree_with_open` off.
+#[test]
+fn the_first_tree_goes_with_the_open_without_changing_the_output() {
+    let pair = TinyPair::new();
+    let verify = start_verify(verify_config(&pair.target));
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let slow = far_away(&rt, &verify.url(), 300);
+    // (temperature, seed, prompt) of each generation, in order: greedy and sampled generations
+    // keep their first trees apart, so the first of each kind has none.
+    let mut runs: Vec<(f32, u64, &str)> = PROMPTS.iter().map(|p| (0.0, 1, *p)).collect();
+    runs.extend([
+        (0.8, 3, PROMPTS[1]),
+        (0.8, 3, PROMPTS[1]),
+        (0.8, 4, PROMPTS[2]),
+    ]);
+    let run_all = |with_open: bool| {
+        let mut config = draft_config(&pair.draft, std::slice::from_ref(&slow), 8, 4);
+        config.pipeline.first_tree_with_open = with_open;
+        let draft = start_draft(config);
+        runs.iter()
+            .map(|&(t, seed, prompt)| {
+                let got = rt
+                    .block_on(within(
+                        120,
+                        generate(&draft.url(), piped(prompt, 12, t, seed, true)),
+                    ))
+                    .expect("generation succeeds");
+                let s = got.summary.expect("summary");
+                (got.tokens, s.first_tree_early, s.first_tree_with_open)
+            })
+            .collect::<Vec<_>>()
+    };
+    let on = run_all(true);
+    let off = run_all(false);
+    for (i, (&(t, seed, prompt), (on, off))) in runs.iter().zip(on.iter().zip(&off)).enumerate() {
+        assert_eq!(
+            on.0, off.0,
+            "generation {i} ({prompt:?}, T = {t}, seed {seed})"
+        );
+        if t == 0.0 {
+            assert_eq!(on.0, plain_greedy(&pair.target, prompt, 12), "{prompt:?}");
+        }
+        let first_of_kind = i == 0 || i == PROMPTS.len();
+        assert_eq!(
+            on.2, !first_of_kind,
+            "generation {i}: first tree sent with the open = {}",
+            on.2
+        );
+        assert!(
+            !off.2,
+            "generation {i}: sent with the open although turned off"
+        );
+        assert_eq!(
+            (on.1, off.1),
+            (!first_of_kind, !first_of_kind),
+            "generation {i}"
+        );
+    }
+}

@@ -46,6 +46,7 @@ struct Acc {
     pipeline_misses: u64,
     pipeline_wasted_ms: f64,
     first_trees_early: u64,
+    first_trees_with_open: u64,
     trees_sent_ahead: u64,
     trees_taken_ahead: u64,
     lookup_proposed: u64,
@@ -73,6 +74,7 @@ impl Acc {
         self.pipeline_misses += r.pipeline_misses as u64;
         self.pipeline_wasted_ms += r.pipeline_wasted_ms;
         self.first_trees_early += r.first_tree_early as u64;
+        self.first_trees_with_open += r.first_tree_with_open as u64;
         self.trees_sent_ahead += r.trees_sent_ahead as u64;
         self.trees_taken_ahead += r.trees_taken_ahead as u64;
         self.lookup_proposed += r.lookup_proposed;
@@ -130,6 +132,9 @@ pub struct Cell {
     /// `+pipe` methods: runs whose first tree was grown during the verify node's prefill.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub first_trees_early: Option<u64>,
+    /// `+pipe` methods: runs whose first tree went to the verify node with the `open`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_trees_with_open: Option<u64>,
     /// `+pipe` methods: trees sent ahead of the verdict they assumed, and how many of them that
     /// verdict confirmed (verified with no round trip before them), summed over the runs.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -215,6 +220,7 @@ impl Cell {
             pipeline_misses: a.pipelined.then_some(a.pipeline_misses),
             pipeline_wasted_ms: a.pipelined.then_some(a.pipeline_wasted_ms),
             first_trees_early: a.pipelined.then_some(a.first_trees_early),
+            first_trees_with_open: a.pipelined.then_some(a.first_trees_with_open),
             trees_sent_ahead: a.pipelined.then_some(a.trees_sent_ahead),
             trees_taken_ahead: a.pipelined.then_some(a.trees_taken_ahead),
             lookup_proposed: a.lookup_proposed,
@@ -546,7 +552,7 @@ pub fn markdown(rep: &Report) -> String {
         let _ = writeln!(
             s,
             " draft ms/tok | network ms/tok | verify ms/tok | overhead ms/tok |{} \
-             pipeline hits/misses (first trees early/runs; taken/sent ahead) | pipeline wasted ms | setup |",
+             pipeline hits/misses (first trees early, with the open/runs; taken/sent ahead) | pipeline wasted ms | setup |",
             if t == 0.0 {
                 " greedy = target | lookup accepted/sent |"
             } else {
@@ -612,7 +618,8 @@ pub fn markdown(rep: &Report) -> String {
                 " {} | {} | {} |",
                 match (c.pipeline_hits, c.pipeline_misses, c.first_trees_early) {
                     (Some(h), Some(m), Some(e)) => format!(
-                        "{h}/{m} ({e}/{}; {}/{})",
+                        "{h}/{m} ({e}, {}/{}; {}/{})",
+                        c.first_trees_with_open.unwrap_or(0),
                         c.prompts,
                         c.trees_taken_ahead.unwrap_or(0),
                         c.trees_sent_ahead.unwrap_or(0)
@@ -878,6 +885,7 @@ mod tests {
                 r.pipeline_misses = misses;
                 r.pipeline_wasted_ms = 1.5;
                 r.first_tree_early = q == 2;
+                r.first_tree_with_open = q == 2;
                 r.trees_sent_ahead = 4;
                 r.trees_taken_ahead = q as u32;
                 recs.push(Record::Run(r));
@@ -895,6 +903,7 @@ mod tests {
         assert!((c.step_ms - 100.0).abs() < 1e-12);
         assert_eq!((c.pipeline_hits, c.pipeline_misses), (Some(8), Some(1)));
         assert_eq!(c.first_trees_early, Some(1));
+        assert_eq!(c.first_trees_with_open, Some(1));
         assert_eq!(
             (c.trees_taken_ahead, c.trees_sent_ahead),
             (Some(3), Some(8))

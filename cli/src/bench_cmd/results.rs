@@ -110,6 +110,9 @@ pub struct RunRecord {
     /// The first tree was grown (whole or in part) during the verify node's prefill.
     #[serde(default)]
     pub first_tree_early: bool,
+    /// That first tree went to the verify node with the `open` (whole before its prefill ended).
+    #[serde(default)]
+    pub first_tree_with_open: bool,
     /// Trees sent ahead of the verdict they assumed, and how many that verdict confirmed.
     #[serde(default)]
     pub trees_sent_ahead: u32,

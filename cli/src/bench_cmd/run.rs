@@ -23,6 +23,7 @@ pub(super) async fn generate(
             rec.pipeline_misses = s.pipeline_misses;
             rec.pipeline_wasted_ms = s.pipeline_wasted_ms;
             rec.first_tree_early = s.first_tree_early;
+            rec.first_tree_with_open = s.first_tree_with_open;
             rec.trees_sent_ahead = s.trees_sent_ahead;
             rec.trees_taken_ahead = s.trees_taken_ahead;
             rec.lookup_proposed = s.lookup_proposed;

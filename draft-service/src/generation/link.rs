@@ -17,8 +17,14 @@ use sequoia_proto::v1::{
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tonic::{Code, Status};
+
+/// Where a generation's first tree arrives while its session opens: grown during the verify
+/// node's prefill, it is sent right behind the `open` (docs/ALGORITHMS.md §10, "The first tree
+/// goes with the open"), so the node starts it as soon as its prefill ends instead of after a
+/// round trip. None until (unless) it is complete before the node answers.
+pub(super) type FirstTreeRx = watch::Receiver<Option<VerifyTree>>;
 
 /// The next tree, sent before the verdict it assumes has reached the draft node (pipelined
 /// drafting, docs/ALGORITHMS.md §10, "Trees sent ahead"): the verify node verifies it right after
@@ -70,13 +76,15 @@ struct Decoding {
 
 impl VerifyLink {
     /// Open the session on the best node that takes it. `prefix` is every committed token but
-    /// the newest (the first tree's root).
+    /// the newest (the first tree's root). A tree arriving on `first` before the node has
+    /// answered goes to it as step 0 ([`first_tree_sent`](Self::first_tree_sent)).
     pub(super) async fn open(
         state: &DraftState,
         prefix: Vec<u32>,
         sampling: SamplingConfig,
         seed: u64,
         max_new_tokens: usize,
+        first: Option<FirstTreeRx>,
     ) -> Result<Self, Status> {
         let open = OpenSession {
             prefix_tokens: prefix,
@@ -85,7 +93,7 @@ impl VerifyLink {
             max_new_tokens: u32::try_from(max_new_tokens).unwrap_or(u32::MAX),
             protocol_version: PROTOCOL_VERSION,
         };
-        let link = open_anywhere(state, &open, &mut Vec::new()).await?;
+        let link = open_anywhere(state, &open, &mut Vec::new(), first).await?;
         let context_limit = link.opened.context_limit as usize;
         Ok(VerifyLink {
             link,
@@ -96,6 +104,12 @@ impl VerifyLink {
             decoding: None,
             ahead_sent: 0,
         })
+    }
+
+    /// Whether the first tree went to the node with the `open`: the node verifies it right
+    /// after its prefill, and the first step takes it over instead of sending it.
+    pub(super) fn first_tree_sent(&self) -> bool {
+        self.link.next_step == 0 && self.link.in_flight.is_some()
     }
 
     /// Whether the current node takes `decode` (its session speaks protocol version 3 or
@@ -250,7 +264,7 @@ impl VerifyLink {
             max_new_tokens: u32::try_from(remaining).unwrap_or(u32::MAX),
             protocol_version: PROTOCOL_VERSION,
         };
-        self.link = open_anywhere(state, &moved, &mut vec![lost.clone()])
+        self.link = open_anywhere(state, &moved, &mut vec![lost.clone()], None)
             .await
             .map_err(|e2| {
                 Status::unavailable(format!(
@@ -299,11 +313,14 @@ impl Link {
         &self.node().addr
     }
 
-    /// Open a session on the reserved node and wait until it has prefilled `open.prefix_tokens`.
+    /// Open a session on the reserved node and wait until it has prefilled `open.prefix_tokens`;
+    /// a tree arriving on `first` meanwhile is sent behind the `open` as step 0 (the node reads
+    /// it once its prefill is done) and becomes the tree in flight.
     async fn open(
         reservation: Reservation,
         open: OpenSession,
         timeout: Duration,
+        mut first: Option<FirstTreeRx>,
     ) -> Result<Link, Status> {
         let asked = open.protocol_version;
         let node = reservation.node().clone();
@@ -328,9 +345,35 @@ impl Link {
         })?
         .map_err(|s| unavailable(&addr, &s))?
         .into_inner();
-        let Some(session_response::Msg::Opened(opened)) =
-            next_response(&mut inbound, &addr, timeout).await?
-        else {
+        let mut in_flight = None;
+        let response = loop {
+            if let Some(rx) = first.as_mut() {
+                let tree = rx.borrow_and_update().clone();
+                if let Some(mut tree) = tree {
+                    tree.step = 0;
+                    let parents = tree.parents.clone();
+                    // A failed send shows up as a lost node when the answer is read.
+                    let _ = req_tx
+                        .send(SessionRequest {
+                            msg: Some(session_request::Msg::Tree(tree)),
+                        })
+                        .await;
+                    in_flight = Some(parents);
+                    first = None;
+                }
+            }
+            tokio::select! {
+                biased;
+                r = next_response(&mut inbound, &addr, timeout) => break r?,
+                changed = changed_or_pending(&mut first) => {
+                    if changed.is_err() {
+                        // No first tree will come.
+                        first = None;
+                    }
+                }
+            }
+        };
+        let Some(session_response::Msg::Opened(opened)) = response else {
             return Err(bad_node(&addr, "answered `open` with something else"));
         };
         node.set_reported(opened.active_sessions as usize);
@@ -344,7 +387,7 @@ impl Link {
             opened,
             version,
             ahead: Vec::new(),
-            in_flight: None,
+            in_flight,
             ahead_sent: 0,
         })
     }
@@ -458,6 +501,16 @@ impl Link {
     }
 }
 
+/// The next change of the first tree's slot; pending forever when there is none to wait for.
+async fn changed_or_pending(
+    first: &mut Option<FirstTreeRx>,
+) -> Result<(), watch::error::RecvError> {
+    match first {
+        Some(rx) => rx.changed().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// The next tree to send ahead; None once the sender is done (or there is none).
 async fn next_ahead(
     ahead: &mut Option<&mut mpsc::UnboundedReceiver<AheadTree>>,
@@ -474,6 +527,7 @@ async fn open_anywhere(
     state: &DraftState,
     open: &OpenSession,
     tried: &mut Vec<String>,
+    first: Option<FirstTreeRx>,
 ) -> Result<Link, Status> {
     let timeout = Duration::from_secs_f64(state.config.step_timeout_secs);
     let connect = Duration::from_secs_f64(state.config.connect_timeout_secs);
@@ -517,7 +571,8 @@ async fn open_anywhere(
         // more than it knows.
         let mut open = open.clone();
         open.protocol_version = version;
-        match Link::open(reservation, open, timeout).await {
+        // Each node tried gets the first tree anew: a session that failed took it down with it.
+        match Link::open(reservation, open, timeout, first.clone()).await {
             Ok(link) => return Ok(link),
             Err(e) if try_elsewhere(&e) => {
                 if e.code() == Code::Unavailable {

@@ -129,13 +129,21 @@ async fn generate(
                 Delivered::ClientGone => return Ok(()),
             }
         }
-        let shape = match &g.in_flight {
-            Some(sent) => sent.shape.clone(),
-            None => g.step_shape(room, &draft),
+        let shape = match (&g.in_flight, &g.first_tree) {
+            (Some(sent), _) => sent.shape.clone(),
+            (None, Some(first)) => first.shape.clone(),
+            (None, None) => g.step_shape(room, &draft),
         };
         let t_step = Instant::now();
-        let (back, mut drafted) = g.draft(draft, &shape).await?;
-        draft = back;
+        let mut drafted = match g.first_tree.take() {
+            // Grown during the prefill (and maybe sent with the open): this step's tree.
+            Some(first) => first.drafted,
+            None => {
+                let (back, drafted) = g.draft(draft, &shape).await?;
+                draft = back;
+                drafted
+            }
+        };
         let draft_ms = t_step.elapsed().as_secs_f64() * 1e3;
         let hit = drafted.was_drafted_ahead();
         if g.steps() == 0 {
@@ -278,6 +286,11 @@ struct Generation<'a> {
     ahead_time: Option<Duration>,
     /// The first tree had been grown (whole or in part) during the verify node's prefill.
     first_tree_early: bool,
+    /// The first tree, complete before the verify node had prefilled the prompt: the first
+    /// step verifies it (it went with the `open` unless the node answered first).
+    first_tree: Option<FirstTree>,
+    /// The first tree went to the verify node with the `open`.
+    first_tree_with_open: bool,
     /// A tree sent ahead that the latest verdict confirmed: the verify node is verifying it,
     /// so the next step takes it over instead of sending a tree (docs/ALGORITHMS.md §10).
     in_flight: Option<AheadTree>,
@@ -332,6 +345,15 @@ impl<'a> Generation<'a> {
             .filter(|_| prep.pipeline != Some(false))
             .map(|planned| prep.forced_tree.clone().unwrap_or(planned))
             .filter(|t| t.len() > 1 && prompt.len() + t.len() < state.context_limit());
+        // Complete before the node has answered, it goes right behind the `open`.
+        let (first_tx, first_rx) = match &early_tree {
+            Some(_) if state.config.pipeline.first_tree_with_open => {
+                let (tx, rx) = tokio::sync::watch::channel(None);
+                (Some(tx), Some(rx))
+            }
+            _ => (None, None),
+        };
+        let first_shape = early_tree.clone();
         let opened = Arc::new(AtomicBool::new(false));
         let stop = opened.clone();
         let draft_prefill = tokio::task::spawn_blocking(move || {
@@ -350,15 +372,27 @@ impl<'a> Generation<'a> {
             .map(|d| d.with_head_vocab(&model, head_vocab));
             let prefilled = Instant::now();
             let draft = draft.and_then(|mut d| {
+                let mut first = None;
                 if let Some(shape) = &early_tree {
                     d.grow_ahead(&model, root, shape, usize::MAX, &stop)?;
+                    // Whole while the node still prefills: from here on it is the first
+                    // step's tree, and it goes to the node now.
+                    if let (Some(tx), false) = (&first_tx, stop.load(Ordering::Acquire)) {
+                        let drafted = d.grow(&model, root, shape)?;
+                        tx.send_replace(Some(wire::tree_message(
+                            &drafted.tree,
+                            &drafted.tokens,
+                            &drafted.dists,
+                        )));
+                        first = Some(drafted);
+                    }
                 }
-                Ok(d)
+                Ok((d, first))
             });
             (draft, prefilled)
         });
         let sampling = wire::sampling_config(&prep.params);
-        let link = VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens).await;
+        let link = VerifyLink::open(state, prefix, sampling, seed, prep.max_tokens, first_rx).await;
         opened.store(true, Ordering::Release);
         let link_opened = Instant::now();
         let link = match link {
@@ -374,7 +408,8 @@ impl<'a> Generation<'a> {
         let (draft, draft_prefilled) = draft_prefill
             .await
             .map_err(|e| Status::internal(format!("draft prefill task failed: {e}")))?;
-        let draft = draft.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
+        let (draft, first_drafted) =
+            draft.map_err(|e| Status::internal(format!("draft model failed: {e}")))?;
         // Both prefills, not the early growth: that belongs to the first step.
         let times = StepTimes {
             prefill_ms: link_opened
@@ -402,6 +437,18 @@ impl<'a> Generation<'a> {
             1.0,
             link.can_decode(),
         )?;
+        let first_tree_with_open = link.first_tree_sent();
+        let first_tree = first_drafted
+            .zip(first_shape)
+            .map(|(drafted, shape)| FirstTree { drafted, shape });
+        // Sent with the `open`: in flight like a tree sent ahead that its verdict confirmed.
+        let in_flight = match &first_tree {
+            Some(f) if first_tree_with_open => Some(AheadTree {
+                message: wire::tree_message(&f.drafted.tree, &f.drafted.tokens, &f.drafted.dists),
+                shape: f.shape.clone(),
+            }),
+            _ => None,
+        };
         let g = Generation {
             state,
             prep,
@@ -425,7 +472,9 @@ impl<'a> Generation<'a> {
             load_sessions: 1.0,
             ahead_time: None,
             first_tree_early: false,
-            in_flight: None,
+            first_tree,
+            first_tree_with_open,
+            in_flight,
             ahead_taken: 0,
             caught_up: 0,
             fallback_tokens: 0,
@@ -439,6 +488,8 @@ impl<'a> Generation<'a> {
             prefill_ms = g.times.prefill_ms,
             link_open_ms = link_opened.duration_since(t_prefill).as_secs_f64() * 1e3,
             draft_prefill_ms = draft_prefilled.duration_since(t_prefill).as_secs_f64() * 1e3,
+            first_tree = g.first_tree.is_some(),
+            first_tree_with_open = g.first_tree_with_open,
             "generation ready"
         );
         if prep.forced_tree.is_none() {
@@ -508,7 +559,11 @@ impl<'a> Generation<'a> {
         let k = self.plan.decode_tokens?;
         // A tree sent ahead that the last verdict confirmed is being verified already: its
         // verdict comes next, whatever the plan now says.
-        if self.prep.forced_tree.is_some() || !self.link.can_decode() || self.in_flight.is_some() {
+        if self.prep.forced_tree.is_some()
+            || !self.link.can_decode()
+            || self.in_flight.is_some()
+            || self.first_tree.is_some()
+        {
             return None;
         }
         if self.next_shape(room).len() != 1 {
@@ -1019,6 +1074,13 @@ impl<'a> Generation<'a> {
             .observe_acceptance(self.prep.params.is_greedy(), &new);
         self.folded = now;
     }
+}
+
+/// A generation's first tree, grown whole during the verify node's prefill.
+struct FirstTree {
+    drafted: DraftedTree,
+    /// The planned shape it was grown for.
+    shape: Tree,
 }
 
 /// A step's prompt-lookup guess: whole (also the part not sent), for the record after the

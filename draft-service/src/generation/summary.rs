@@ -83,6 +83,7 @@ impl Generation<'_> {
             pipeline_wasted_ms: self.pipeline_wasted.as_secs_f64() * 1e3,
             fallback_tokens: self.fallback_tokens,
             first_tree_early: self.first_tree_early,
+            first_tree_with_open: self.first_tree_with_open,
             trees_sent_ahead: self.link.ahead_sent(),
             trees_taken_ahead: self.ahead_taken,
         }
