@@ -929,7 +929,7 @@ mod tests {
         );
         assert!(
             md.contains(
-                " 8/1 (1/2; 3/8) | 3.0 | draft 0 ×1 · verify 1-2 ×2 · RTT 10 ms · 100 Mbit/s |"
+                " 8/1 (1, 1/2; 3/8) | 3.0 | draft 0 ×1 · verify 1-2 ×2 · RTT 10 ms · 100 Mbit/s |"
             ),
             "{md}"
         );
