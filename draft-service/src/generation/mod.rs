@@ -165,7 +165,9 @@ async fn generate(
             draft = back;
             (verdict, ahead)
         } else {
-            (g.verify(&drafted, false, None).await?, None)
+            // A first tree sent with the `open` is in flight even where this generation does
+            // not pipeline (the latest one did, so its first tree was grown).
+            (g.verify(&drafted, sent.is_some(), None).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
         g.lookup_record.record(&lookup.guess, &emitted);
