@@ -131,17 +131,18 @@ async fn generate(
         }
         let shape = match (&g.in_flight, &g.first_tree) {
             (Some(sent), _) => sent.shape.clone(),
-            (None, Some(first)) => first.shape.clone(),
+            (_, Some(first)) => first.shape.clone(),
             (None, None) => g.step_shape(room, &draft),
         };
         let t_step = Instant::now();
-        let mut drafted = match g.first_tree.take() {
-            // Grown during the prefill (and maybe sent with the open): this step's tree.
-            Some(first) => first.drafted,
+        // Grown during the prefill: this step's tree, already at the node if it went with the
+        // `open` (only the first step has one).
+        let (mut drafted, first_sent) = match g.first_tree.take() {
+            Some(first) => (first.drafted, g.first_tree_with_open),
             None => {
                 let (back, drafted) = g.draft(draft, &shape).await?;
                 draft = back;
-                drafted
+                (drafted, false)
             }
         };
         let draft_ms = t_step.elapsed().as_secs_f64() * 1e3;
@@ -156,18 +157,18 @@ async fn generate(
                 same_as_sent(&drafted, tree)?;
                 LookupStep::default()
             }
+            None if first_sent => LookupStep::default(),
             None => g.add_lookup(&mut drafted, room),
         };
+        // At the node already: the verdict is awaited without sending the tree. A first tree
+        // can be there even where this generation does not pipeline (the latest one did).
+        let at_node = sent.is_some() || first_sent;
         let (verdict, ahead) = if g.pipeline {
-            let (back, verdict, ahead) = g
-                .verify_pipelined(draft, &drafted, room, sent.is_some())
-                .await?;
+            let (back, verdict, ahead) = g.verify_pipelined(draft, &drafted, room, at_node).await?;
             draft = back;
             (verdict, ahead)
         } else {
-            // A first tree sent with the `open` is in flight even where this generation does
-            // not pipeline (the latest one did, so its first tree was grown).
-            (g.verify(&drafted, sent.is_some(), None).await?, None)
+            (g.verify(&drafted, at_node, None).await?, None)
         };
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
         g.lookup_record.record(&lookup.guess, &emitted);
@@ -291,7 +292,8 @@ struct Generation<'a> {
     /// The first tree, complete before the verify node had prefilled the prompt: the first
     /// step verifies it (it went with the `open` unless the node answered first).
     first_tree: Option<FirstTree>,
-    /// The first tree went to the verify node with the `open`.
+    /// The first tree went to the verify node with the `open` (the first step waits for its
+    /// verdict without sending it).
     first_tree_with_open: bool,
     /// A tree sent ahead that the latest verdict confirmed: the verify node is verifying it,
     /// so the next step takes it over instead of sending a tree (docs/ALGORITHMS.md §10).
@@ -443,14 +445,6 @@ impl<'a> Generation<'a> {
         let first_tree = first_drafted
             .zip(first_shape)
             .map(|(drafted, shape)| FirstTree { drafted, shape });
-        // Sent with the `open`: in flight like a tree sent ahead that its verdict confirmed.
-        let in_flight = match &first_tree {
-            Some(f) if first_tree_with_open => Some(AheadTree {
-                message: wire::tree_message(&f.drafted.tree, &f.drafted.tokens, &f.drafted.dists),
-                shape: f.shape.clone(),
-            }),
-            _ => None,
-        };
         let g = Generation {
             state,
             prep,
@@ -476,7 +470,7 @@ impl<'a> Generation<'a> {
             first_tree_early: false,
             first_tree,
             first_tree_with_open,
-            in_flight,
+            in_flight: None,
             ahead_taken: 0,
             caught_up: 0,
             fallback_tokens: 0,
