@@ -64,6 +64,12 @@ pub struct VerifyConfig {
     /// session reserves what its cache can grow to (prompt + max_new_tokens + one tree) at
     /// `open`; one that does not fit gets RESOURCE_EXHAUSTED.
     pub kv_budget_mb: usize,
+    /// Greedy sessions alone on this node decode the target's next token while they wait for a
+    /// tree that has been taking longer than half a forward to come (a tree that comes meanwhile
+    /// stops that forward within a layer) (docs/ALGORITHMS.md §10, "The verify node
+    /// decodes while it waits"): a tree without that token is answered without a forward, one
+    /// with it by forwarding only the subtree below it. Exact either way.
+    pub decode_while_waiting: bool,
     /// Continuous batching of every session's trees and prefill chunks.
     pub batch: crate::batch::BatchConfig,
     /// Prefix reuse across chat turns: ended sessions' caches are kept (within
@@ -99,6 +105,7 @@ impl Default for VerifyConfig {
             max_concurrent_streams: 64,
             refuse_tokens_without_tls: false,
             kv_budget_mb: 8192,
+            decode_while_waiting: true,
             batch: crate::batch::BatchConfig::default(),
             prefix_cache: crate::kv_pool::PrefixCacheConfig::default(),
         }

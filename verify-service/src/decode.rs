@@ -90,8 +90,11 @@ pub async fn decode(
             ));
         }
         let model = state.model.clone();
-        let r = match &state.scheduler {
-            Some(scheduler) => {
+        // A token decoded while the session waited (greedy sessions) is this one's.
+        let waited = session.take_waiting(step, root);
+        let r = match (&state.scheduler, waited) {
+            (_, Some(r)) => r,
+            (Some(scheduler), None) => {
                 let prepared = session
                     .prepare(&model, step, &[-1], &[root], Vec::new())
                     .map_err(to_status)?;
@@ -102,7 +105,7 @@ pub async fn decode(
                 session = back;
                 r
             }
-            None => {
+            (None, None) => {
                 let (back, r) = blocking(move || {
                     let r = session.verify(&model, step, &[-1], &[root], &[]);
                     (session, r)

@@ -4,7 +4,7 @@
 use crate::batch::Scheduler;
 use crate::config::VerifyConfig;
 use crate::kv_pool::KvPool;
-use crate::session::{SessionError, SessionLimits, VerifySession};
+use crate::session::{Prepared, SessionError, SessionLimits, VerifySession};
 use sequoia_core::limits;
 use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_engine::Model;
@@ -17,7 +17,7 @@ use sequoia_server::admission::{Admission, Permit, Refused};
 use sequoia_server::metrics::Metrics;
 use sequoia_server::process::secs;
 use sequoia_server::wire;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -244,19 +244,76 @@ async fn run_session(
     }
     let idle = secs(state.config.idle_timeout_secs);
     let mut moving = state.moving.subscribe();
-    loop {
-        let msg = tokio::select! {
-            msg = tokio::time::timeout(idle, inbound.message()) => match msg {
-                Ok(msg) => msg?,
-                Err(_) => return Err(Status::deadline_exceeded(format!(
-                    "no tree for {idle:?}; the idle session was closed to free its slot"
-                ))),
-            },
-            _ = moved(&mut moving) => {
-                return Err(Status::unavailable(
-                    "verify node is shutting down; the session continues on another node",
-                ));
+    // The session's messages, each with the time it arrived, read on a task of their own so
+    // that the wait for a tree can be timed (and used) while the session decodes.
+    // `pending` is set as a message comes that the session will act on, so a forward run while
+    // waiting stops for it; a tree sent ahead whose root is not the latest verdict's next token
+    // (`expect`, u64::MAX = unknown) will be dropped, and does not stop it.
+    let (msg_tx, mut msgs) = mpsc::channel(4);
+    let pending = Arc::new(AtomicBool::new(false));
+    let expect = Arc::new(AtomicU64::new(u64::MAX));
+    let (flag, expected) = (pending.clone(), expect.clone());
+    let reader = AbortOnDrop(tokio::spawn(async move {
+        loop {
+            let m = inbound.message().await;
+            let end = !matches!(m, Ok(Some(_)));
+            let dropped_ahead = match &m {
+                Ok(Some(SessionRequest {
+                    msg: Some(session_request::Msg::Tree(t)),
+                })) if t.assumes.is_some() => {
+                    let want = expected.load(Ordering::Acquire);
+                    want != u64::MAX && t.tokens.first().map(|&r| r as u64) != Some(want)
+                }
+                _ => false,
+            };
+            let sent = msg_tx.send((Instant::now(), m)).await;
+            if !dropped_ahead {
+                flag.store(true, Ordering::Release);
             }
+            if sent.is_err() || end {
+                break;
+            }
+        }
+    }));
+    let mut waiting = Waiting::default();
+    loop {
+        if waiting.worth_decoding(&state, &session) {
+            // Cleared before looking, so a message that comes after the look stops the forward.
+            pending.store(false, Ordering::Release);
+            if let Ok(next) = msgs.try_recv() {
+                waiting.early = Some(next);
+            } else {
+                let model = state.model.clone();
+                let stop = pending.clone();
+                let (back, r) = blocking(move || {
+                    let r = session.decode_while_waiting(&model, &stop);
+                    (session, r)
+                })
+                .await?;
+                session = back;
+                let decoded = r.map_err(to_status)?;
+                tracing::debug!(decoded, wait_ms = ?waiting.wait_ms, "decode while waiting");
+            }
+        }
+        let next = match waiting.early.take() {
+            Some(next) => Some(next),
+            None => tokio::select! {
+                next = tokio::time::timeout(idle, msgs.recv()) => match next {
+                    Ok(next) => next,
+                    Err(_) => return Err(Status::deadline_exceeded(format!(
+                        "no tree for {idle:?}; the idle session was closed to free its slot"
+                    ))),
+                },
+                _ = moved(&mut moving) => {
+                    return Err(Status::unavailable(
+                        "verify node is shutting down; the session continues on another node",
+                    ));
+                }
+            },
+        };
+        let (arrived, msg) = match next {
+            Some((arrived, msg)) => (arrived, msg?),
+            None => (Instant::now(), None),
         };
         let Some(msg) = msg else {
             // The generation ended normally: keep its cache for the conversation's next turn.
@@ -266,6 +323,8 @@ async fn run_session(
         let tree = match msg.msg {
             Some(session_request::Msg::Tree(tree)) => tree,
             Some(session_request::Msg::Decode(req)) => {
+                waiting.arrived(arrived);
+                expect.store(u64::MAX, Ordering::Release);
                 crate::decode::check_decode(
                     &req,
                     &session,
@@ -301,6 +360,8 @@ async fn run_session(
                 continue;
             }
         }
+        // Only a message the session acts on ends the wait (a dropped one leaves it going).
+        waiting.arrived(arrived);
         let dists = wire::dists_from_wire(tree.draft_dists);
         let model = state.model.clone();
         let span = info_span!("verify_step", step = tree.step, nodes = tree.parents.len());
@@ -309,18 +370,41 @@ async fn run_session(
                 // Checks run off the async threads, in parallel across sessions; the forward
                 // is batched.
                 let (back, prepared) = blocking(move || {
-                    let p = session.prepare(&model, tree.step, &tree.parents, &tree.tokens, dists);
+                    let p =
+                        session.prepare_step(&model, tree.step, &tree.parents, &tree.tokens, dists);
                     (session, p)
                 })
                 .await?;
-                let prepared = prepared.map_err(to_status)?;
-                let (back, r) = scheduler
-                    .verify(back, prepared)
-                    .instrument(span)
-                    .await
-                    .map_err(to_status)?;
+                match prepared.map_err(to_status)? {
+                    Prepared::Done(r) => {
+                        session = back;
+                        r
+                    }
+                    Prepared::Tree(prepared) => {
+                        let (back, r) = scheduler
+                            .verify(back, prepared)
+                            .instrument(span)
+                            .await
+                            .map_err(to_status)?;
+                        session = back;
+                        r
+                    }
+                }
+            }
+            None if session.has_waiting_token() => {
+                let (back, result) = blocking(move || {
+                    let _e = span.enter();
+                    let r = session
+                        .prepare_step(&model, tree.step, &tree.parents, &tree.tokens, dists)
+                        .and_then(|p| match p {
+                            Prepared::Done(r) => Ok(r),
+                            Prepared::Tree(p) => session.run(&model, p),
+                        });
+                    (session, r)
+                })
+                .await?;
                 session = back;
-                r
+                result.map_err(to_status)?
             }
             None => {
                 let (back, result) = blocking(move || {
@@ -353,8 +437,74 @@ async fn run_session(
         {
             return Ok(());
         }
+        waiting.answered(r.verify_ms);
+        expect.store(r.verdict.next_token as u64, Ordering::Release);
     }
+    drop(reader);
     Ok(())
+}
+
+/// A greedy session's wait for its next tree (docs/ALGORITHMS.md §10, "The verify node
+/// decodes while it waits"): how long trees took to come after their verdicts, and whether one
+/// is worth a forward of its own meanwhile.
+#[derive(Default)]
+struct Waiting {
+    /// When the latest verdict went out, and what its verification took.
+    answered: Option<(Instant, f64)>,
+    /// Smoothed wait from a verdict to the next message the session acts on, in ms (one that
+    /// was there before the verdict went out does not count).
+    wait_ms: Option<f64>,
+    /// A message that was already there when a forward was considered.
+    early: Option<(Instant, Result<Option<SessionRequest>, Status>)>,
+}
+
+impl Waiting {
+    fn answered(&mut self, verify_ms: f64) {
+        self.answered = Some((Instant::now(), verify_ms));
+    }
+
+    /// The session acts on a message that came at `at` (not a tree sent ahead and dropped).
+    /// Only one that came after the verdict counts: one already there (a tree sent ahead in
+    /// time) is taken without a forward, and counting its zero wait made the waits a forward
+    /// could fill look short.
+    fn arrived(&mut self, at: Instant) {
+        if let Some((sent, _)) = self.answered.take() {
+            if at <= sent {
+                return;
+            }
+            let ms = (at - sent).as_secs_f64() * 1e3;
+            self.wait_ms = Some(match self.wait_ms {
+                Some(w) => 0.5 * w + 0.5 * ms,
+                None => ms,
+            });
+        }
+    }
+
+    /// A forward while waiting pays where the trees have been taking longer to come than half
+    /// the latest verification took (a forward that a tree interrupts stops within a layer, so
+    /// a wrong guess costs a layer; the half keeps the node from starting forwards that mostly
+    /// stop where trees come right behind their verdicts, as near a draft node), the session
+    /// decodes greedily, and it is alone on the node (a forward of its own would delay the
+    /// others' batches).
+    fn worth_decoding(&self, state: &VerifyState, session: &VerifySession) -> bool {
+        let Some((_, verify_ms)) = self.answered else {
+            return false;
+        };
+        state.config.decode_while_waiting
+            && session.is_greedy()
+            && !session.has_waiting_token()
+            && state.admission.active() == 1
+            && self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms)
+    }
+}
+
+/// A task that is stopped when this is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Free an ended session's reservation, then keep its cache (prompt and generated tokens) for

@@ -6,6 +6,7 @@ use sequoia_core::sampling::{SamplingParams, SessionRng, SparseDist, VERIFY_STRE
 use sequoia_core::tree::{Tree, TreeLimits};
 use sequoia_core::verify::{verify_with_logits, Step, Verdict};
 use sequoia_engine::{EngineError, KvCache, Logits, Model};
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 /// Limits a session enforces on each message.
@@ -61,6 +62,11 @@ pub struct VerifySession {
     /// The latest verdict (step, accepted nodes, next token): what a tree sent ahead for the
     /// next step is checked against.
     last_verdict: Option<(u64, Vec<usize>, u32)>,
+    /// A greedy session's next token, decoded while it waited for its next tree
+    /// ([`decode_while_waiting`](Self::decode_while_waiting)): the latest verdict's next token
+    /// is then in the cache, and this is the target's token after it, with the time its
+    /// forward took.
+    waiting_token: Option<(u32, f64)>,
 }
 
 /// A tree that passed every check of [`VerifySession::prepare`]: ready to be forwarded (alone
@@ -71,6 +77,28 @@ pub struct PreparedTree {
     pub tree: Tree,
     pub tokens: Vec<u32>,
     dists: Vec<SparseDist>,
+    /// The tree is the subtree below the root's child that matched the token decoded while the
+    /// session waited: how its verdict maps back onto the tree that was sent.
+    below: Option<Below>,
+}
+
+/// Where a subtree sits in the tree that was sent: the root's child it hangs from, that
+/// child's 1-based rank, and each subtree node's index in the sent tree.
+#[derive(Debug)]
+struct Below {
+    child: usize,
+    rank: usize,
+    nodes: Vec<usize>,
+}
+
+/// What a tree meets on a session that decoded while it waited.
+pub enum Prepared {
+    /// Forward this tree (as always), then [`VerifySession::finish`].
+    Tree(PreparedTree),
+    /// The verdict is already known: the token decoded while waiting is none of the root's
+    /// children, so it is the step's next token, as the whole tree's verification would have
+    /// found, with no forward.
+    Done(StepResult),
 }
 
 impl VerifySession {
@@ -147,6 +175,7 @@ impl VerifySession {
             limits,
             token_limit: prefix.len() + max_new_tokens,
             last_verdict: None,
+            waiting_token: None,
         })
     }
 
@@ -216,6 +245,184 @@ impl VerifySession {
         self.cache.capacity()
     }
 
+    /// Greedy sessions, between a verdict and the next tree: decode the target's next token
+    /// now (one forward of the verdict's next token), so that the time the next tree spends
+    /// on its way is not lost (docs/ALGORITHMS.md §10, "The verify node decodes while it
+    /// waits"). The next tree then meets it in [`prepare_step`](Self::prepare_step), a
+    /// `decode` in [`take_waiting`](Self::take_waiting). False (nothing run) where there is
+    /// nothing to do: a sampled session, no verdict yet, a token already waiting, or fewer than
+    /// two tokens left to commit.
+    ///
+    /// `stop` (set when the next message arrives) abandons the forward within a layer, with
+    /// nothing changed (then also false): a tree that comes sooner than expected waits at
+    /// most a layer, not a whole forward.
+    pub fn decode_while_waiting(
+        &mut self,
+        model: &Model,
+        stop: &AtomicBool,
+    ) -> Result<bool, SessionError> {
+        let Some(&(_, _, root)) = self.last_verdict.as_ref() else {
+            return Ok(false);
+        };
+        if !self.params.is_greedy() || self.waiting_token.is_some() || self.tokens_left() < 2 {
+            return Ok(false);
+        }
+        let t0 = Instant::now();
+        let chain = Tree::chain(1);
+        let roots = [root];
+        let vocab = model.info().vocab_size;
+        let logits = match model.forward_forest_extend_until(
+            &mut self.cache,
+            &roots,
+            chain.parents(),
+            0,
+            &[0],
+            vocab,
+            Some(stop),
+        ) {
+            Ok(logits) => logits,
+            Err(EngineError::Stopped) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        };
+        let vocab = logits.vocab();
+        let step = Step::new(&chain, &roots, &[], vocab, false)
+            .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
+        // The rule every tree is verified by: a root-only tree's verdict is the argmax.
+        let next = verify_with_logits(&step, |v| logits.row(v), &self.params, &mut self.rng);
+        self.cache.keep_newest(1, &[0])?;
+        self.tokens.truncate(self.cache.len() - 1);
+        self.tokens.push(root);
+        self.waiting_token = Some((next.next_token, t0.elapsed().as_secs_f64() * 1e3));
+        Ok(true)
+    }
+
+    /// Whether this session verifies greedily (temperature 0).
+    pub fn is_greedy(&self) -> bool {
+        self.params.is_greedy()
+    }
+
+    /// Whether a token decoded while waiting is held.
+    pub fn has_waiting_token(&self) -> bool {
+        self.waiting_token.is_some()
+    }
+
+    /// The token decoded while waiting as step `step`'s verdict (nothing accepted, it is the
+    /// next token), if it is there and `root` is the token it followed; a `root` it did not
+    /// follow takes it back (the cache is as before it) and gives None.
+    pub fn take_waiting(&mut self, step: u64, root: u32) -> Option<StepResult> {
+        let (token, ms) = self.waiting_token?;
+        let followed = self.last_verdict.as_ref().map(|v| v.2);
+        if step != self.next_step || followed != Some(root) {
+            self.drop_waiting();
+            return None;
+        }
+        self.waiting_token = None;
+        self.next_step += 1;
+        self.last_verdict = Some((step, Vec::new(), token));
+        tracing::debug!(
+            step,
+            "verdict from the token decoded while waiting, no forward"
+        );
+        Some(StepResult {
+            step,
+            verdict: Verdict {
+                accepted: Vec::new(),
+                ranks: Vec::new(),
+                next_token: token,
+            },
+            verify_ms: ms,
+            batch_rows: 1,
+            batch_sessions: 1,
+        })
+    }
+
+    /// Take back a token decoded while waiting: its root leaves the cache again.
+    fn drop_waiting(&mut self) {
+        if self.waiting_token.take().is_some() {
+            let len = self.cache.len() - 1;
+            self.cache.truncate(len);
+            self.tokens.truncate(len);
+        }
+    }
+
+    /// [`prepare`](Self::prepare), where a token may have been decoded while waiting. If one
+    /// was, the tree is checked whole, and then:
+    /// - if the token is one of the root's children, only that child's subtree is forwarded
+    ///   (its verdict is mapped back onto the tree in [`finish`](Self::finish));
+    /// - if it is none of them, the verdict is known without a forward: nothing accepted, the
+    ///   token next — what the whole tree's greedy verification finds, as the child the target
+    ///   picks is the token it decoded.
+    pub fn prepare_step(
+        &mut self,
+        model: &Model,
+        step: u64,
+        parents: &[i32],
+        tokens: &[u32],
+        dists: Vec<SparseDist>,
+    ) -> Result<Prepared, SessionError> {
+        let Some((token, _)) = self.waiting_token else {
+            return self
+                .prepare(model, step, parents, tokens, dists)
+                .map(Prepared::Tree);
+        };
+        let whole = match self.prepare(model, step, parents, tokens, dists) {
+            Ok(whole) => whole,
+            Err(e) => {
+                self.drop_waiting();
+                return Err(e);
+            }
+        };
+        let root = whole.tokens[0];
+        let children = whole.tree.children(0);
+        let Some(rank) = children
+            .iter()
+            .position(|&c| whole.tokens[c as usize] == token)
+        else {
+            return match self.take_waiting(step, root) {
+                Some(done) => Ok(Prepared::Done(done)),
+                // Another root than the token followed: the whole tree, as sent.
+                None => Ok(Prepared::Tree(whole)),
+            };
+        };
+        if self.last_verdict.as_ref().map(|v| v.2) != Some(root) {
+            self.drop_waiting();
+            return Ok(Prepared::Tree(whole));
+        }
+        let child = children[rank] as usize;
+        // The child's subtree in the sent order (parents come before their children).
+        let mut index = vec![usize::MAX; whole.tokens.len()];
+        let mut nodes = vec![child];
+        let mut sub_parents = vec![-1i32];
+        index[child] = 0;
+        for (v, &p) in whole.tree.parents().iter().enumerate().skip(child + 1) {
+            if p >= 0 && index[p as usize] != usize::MAX {
+                index[v] = nodes.len();
+                sub_parents.push(index[p as usize] as i32);
+                nodes.push(v);
+            }
+        }
+        let tree = Tree::from_parents(&sub_parents)
+            .map_err(|e| SessionError::Invalid(format!("tree.parents: {e}")))?;
+        let sub_tokens = nodes.iter().map(|&v| whole.tokens[v]).collect();
+        self.waiting_token = None;
+        tracing::debug!(
+            step,
+            rows = nodes.len(),
+            "subtree below the token decoded while waiting"
+        );
+        Ok(Prepared::Tree(PreparedTree {
+            step,
+            tree,
+            tokens: sub_tokens,
+            dists: Vec::new(),
+            below: Some(Below {
+                child,
+                rank: rank + 1,
+                nodes,
+            }),
+        }))
+    }
+
     /// Verify one tree alone: [`prepare`](Self::prepare), one forward, [`finish`](Self::finish).
     /// On any error the session's state is unchanged.
     pub fn verify(
@@ -227,6 +434,15 @@ impl VerifySession {
         dists: &[SparseDist],
     ) -> Result<StepResult, SessionError> {
         let prepared = self.prepare(model, step, parents, tokens, dists.to_vec())?;
+        self.run(model, prepared)
+    }
+
+    /// Forward a prepared tree alone, then [`finish`](Self::finish) it.
+    pub fn run(
+        &mut self,
+        model: &Model,
+        prepared: PreparedTree,
+    ) -> Result<StepResult, SessionError> {
         let t0 = Instant::now();
         let logits = model.forward_tree(&mut self.cache, &prepared.tokens, &prepared.tree)?;
         let rows = prepared.tree.len();
@@ -290,6 +506,7 @@ impl VerifySession {
             tree,
             tokens: tokens.to_vec(),
             dists,
+            below: None,
         })
     }
 
@@ -309,11 +526,13 @@ impl VerifySession {
             tree,
             tokens,
             dists,
+            below,
         } = prepared;
         let vocab = logits.vocab();
         let checked = Step::new(&tree, &tokens, &dists, vocab, !self.params.is_greedy())
             .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
-        let verdict = verify_with_logits(&checked, |v| logits.row(v), &self.params, &mut self.rng);
+        let mut verdict =
+            verify_with_logits(&checked, |v| logits.row(v), &self.params, &mut self.rng);
         // Keep the root and the accepted path; the next tree's root is verdict.next_token.
         let mut keep = Vec::with_capacity(verdict.accepted.len() + 1);
         keep.push(0);
@@ -321,6 +540,14 @@ impl VerifySession {
         self.cache.keep_newest(tree.len(), &keep)?;
         self.tokens.truncate(self.cache.len() - keep.len());
         self.tokens.extend(keep.iter().map(|&v| tokens[v]));
+        if let Some(b) = below {
+            // A subtree below the root's child that the waiting token matched: the verdict in
+            // the sent tree's nodes starts with that child.
+            verdict.accepted = std::iter::once(b.child)
+                .chain(verdict.accepted.iter().map(|&v| b.nodes[v]))
+                .collect();
+            verdict.ranks.insert(0, b.rank);
+        }
         self.next_step += 1;
         self.last_verdict = Some((step, verdict.accepted.clone(), verdict.next_token));
         Ok(StepResult {
