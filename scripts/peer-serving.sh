@@ -8,9 +8,11 @@
 #              llama.cpp draft-model speculation (llama-speculative-simple, --spec-type
 #              draft-simple), greedy, raw prompt text (no chat template); tokens, decode seconds,
 #              tok/s of each, and speculative/plain, per prompt and pooled.
-#              Our side: target/release/sequoia bench --raw --methods target,auto+pipe \
+#              Our side: target/release/sequoia bench --raw --methods target,auto \
 #                  --max-prompts-per-category 1 --max-tokens 64 --temperatures 0 \
 #                  --out-dir bench-out/one-host
+#              (`auto`: what the service does where draft and verify share CPUs; `auto+pipe`
+#              asks every request to pipeline, which there takes cores from verification)
 #   capacity   llama-server -np N (continuous batching, N slots) serving the target; for each N,
 #              N concurrent greedy POST /completion requests (chat-templated prompts, as
 #              `sequoia bench capacity` sends them); aggregate tokens/s over the whole batch's
