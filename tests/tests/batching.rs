@@ -42,6 +42,10 @@ fn node(configure: impl FnOnce(&mut VerifyConfig)) -> Running {
     let tokenizer = TextTokenizer::load_for_model(dir.path()).unwrap();
     let mut config = verify_config(dir.path());
     config.metrics_listen = "127.0.0.1:0".into();
+    // Every tree here goes through the batch scheduler whole: a lone session that decodes
+    // while it waits would forward only a subtree, or nothing, and report fewer rows than its
+    // tree (its verdicts are the same; that feature has its own tests).
+    config.decode_while_waiting = false;
     configure(&mut config);
     start_verify_state(Arc::new(VerifyState::new(model, tokenizer, config)))
 }

@@ -164,13 +164,16 @@ fn sessions_spread_over_three_nodes_and_survive_one_killed() {
 #[test]
 fn sigterm_drains_a_node_its_sessions_move_and_it_exits() {
     let pair = TinyPair::new();
-    // drain_timeout_secs = 0: open sessions move at once instead of finishing.
+    // drain_timeout_secs = 0: open sessions move at once instead of finishing. Both sessions
+    // must still be running when the drain starts; a lone session that decodes while it waits
+    // can end a short answer first on tiny models, so these nodes verify every tree as sent.
+    let no_waiting_decode = ("SEQUOIA_DECODE_WHILE_WAITING", "false");
     let mut draining = VerifyProcess::start(
         VERIFY_EXE,
         &pair.target,
-        &[("SEQUOIA_DRAIN_TIMEOUT_SECS", "0")],
+        &[("SEQUOIA_DRAIN_TIMEOUT_SECS", "0"), no_waiting_decode],
     );
-    let other = VerifyProcess::start(VERIFY_EXE, &pair.target, &[]);
+    let other = VerifyProcess::start(VERIFY_EXE, &pair.target, &[no_waiting_decode]);
     let urls = [draining.url(), other.url()];
     let mut cfg = draft_config(&pair.draft, &urls, 4, 3);
     cfg.discovery_interval_secs = 0.2;
