@@ -391,21 +391,6 @@ async fn run_session(
                     }
                 }
             }
-            None if session.has_waiting_token() => {
-                let (back, result) = blocking(move || {
-                    let _e = span.enter();
-                    let r = session
-                        .prepare_step(&model, tree.step, &tree.parents, &tree.tokens, dists)
-                        .and_then(|p| match p {
-                            Prepared::Done(r) => Ok(r),
-                            Prepared::Tree(p) => session.run(&model, p),
-                        });
-                    (session, r)
-                })
-                .await?;
-                session = back;
-                result.map_err(to_status)?
-            }
             None => {
                 let (back, result) = blocking(move || {
                     let _e = span.enter();

@@ -270,22 +270,20 @@ impl VerifySession {
         let t0 = Instant::now();
         let chain = Tree::chain(1);
         let roots = [root];
-        let vocab = model.info().vocab_size;
         let logits = match model.forward_forest_extend_until(
             &mut self.cache,
             &roots,
             chain.parents(),
             0,
             &[0],
-            vocab,
+            model.info().vocab_size,
             Some(stop),
         ) {
             Ok(logits) => logits,
             Err(EngineError::Stopped) => return Ok(false),
             Err(e) => return Err(e.into()),
         };
-        let vocab = logits.vocab();
-        let step = Step::new(&chain, &roots, &[], vocab, false)
+        let step = Step::new(&chain, &roots, &[], logits.vocab(), false)
             .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
         // The rule every tree is verified by: a root-only tree's verdict is the argmax.
         let next = verify_with_logits(&step, |v| logits.row(v), &self.params, &mut self.rng);
@@ -373,21 +371,21 @@ impl VerifySession {
             }
         };
         let root = whole.tokens[0];
+        if self.last_verdict.as_ref().map(|v| v.2) != Some(root) {
+            // Another root than the token followed: the whole tree, as sent.
+            self.drop_waiting();
+            return Ok(Prepared::Tree(whole));
+        }
         let children = whole.tree.children(0);
         let Some(rank) = children
             .iter()
             .position(|&c| whole.tokens[c as usize] == token)
         else {
-            return match self.take_waiting(step, root) {
-                Some(done) => Ok(Prepared::Done(done)),
-                // Another root than the token followed: the whole tree, as sent.
-                None => Ok(Prepared::Tree(whole)),
-            };
+            return Ok(match self.take_waiting(step, root) {
+                Some(done) => Prepared::Done(done),
+                None => Prepared::Tree(whole),
+            });
         };
-        if self.last_verdict.as_ref().map(|v| v.2) != Some(root) {
-            self.drop_waiting();
-            return Ok(Prepared::Tree(whole));
-        }
         let child = children[rank] as usize;
         // The child's subtree in the sent order (parents come before their children).
         let mut index = vec![usize::MAX; whole.tokens.len()];
@@ -423,8 +421,9 @@ impl VerifySession {
         }))
     }
 
-    /// Verify one tree alone: [`prepare`](Self::prepare), one forward, [`finish`](Self::finish).
-    /// On any error the session's state is unchanged.
+    /// Verify one tree alone: [`prepare_step`](Self::prepare_step), then (unless a token
+    /// decoded while waiting already gave the verdict) one forward and [`finish`](Self::finish).
+    /// On any error the session's state is as if it had not decoded while waiting.
     pub fn verify(
         &mut self,
         model: &Model,
@@ -433,8 +432,10 @@ impl VerifySession {
         tokens: &[u32],
         dists: &[SparseDist],
     ) -> Result<StepResult, SessionError> {
-        let prepared = self.prepare(model, step, parents, tokens, dists.to_vec())?;
-        self.run(model, prepared)
+        match self.prepare_step(model, step, parents, tokens, dists.to_vec())? {
+            Prepared::Done(r) => Ok(r),
+            Prepared::Tree(prepared) => self.run(model, prepared),
+        }
     }
 
     /// Forward a prepared tree alone, then [`finish`](Self::finish) it.
