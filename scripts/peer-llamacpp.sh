@@ -231,6 +231,14 @@ isa_args() {
     echo "-DGGML_NATIVE=OFF"
     for f in "${on[@]}"; do has_opt "$src" "$f" && echo "-D$f=ON"; done
     for f in "${off[@]}"; do has_opt "$src" "$f" && echo "-D$f=OFF"; done
+    # ik_llama.cpp's GGML_AVX512 turns on only AVX-512 F and BW, but its AVX-512 kernels need DQ
+    # and VL as well (without them it compiles a half-AVX-512 path that does not build);
+    # llama.cpp's own option adds them. Give them where the CPU has them and the tree does not.
+    if [[ $kind == native ]] && has_flag avx512dq && has_flag avx512vl &&
+        ! grep -rqs --include=CMakeLists.txt -- -mavx512dq "$src/ggml"; then
+        echo "-DCMAKE_C_FLAGS=-mavx512dq -mavx512vl -mavx512cd"
+        echo "-DCMAKE_CXX_FLAGS=-mavx512dq -mavx512vl -mavx512cd"
+    fi
     return 0
 }
 

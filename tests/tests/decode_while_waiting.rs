@@ -3,9 +3,10 @@
 //! it gives, and ends each step with the same cache: for a tree holding the token below its
 //! root (only the subtree is forwarded), one without it (no forward), a `decode`, and a tree
 //! whose root the token did not follow (the token is taken back); and a forward that a message
-//! interrupts leaves the session as it was.
+//! interrupts leaves the session as it was. A sampled session that decoded while waiting
+//! commits tokens distributed as the target's.
 
-use sequoia_core::sampling::SamplingParams;
+use sequoia_core::sampling::{SamplingParams, SparseDist};
 use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_engine::LoadOptions;
 use sequoia_engine::Model;
@@ -128,20 +129,82 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
     let (a, _) = verify(&mut waits, &model, 5, &[-1], &[next]);
     let (b, _) = verify(&mut plain, &model, 5, &[-1], &[next]);
     same(&a, &b, "the step after");
+}
 
-    // Sampled sessions never decode while waiting.
-    let (mut sampled, _) = VerifySession::open(
-        &model,
-        prefix,
-        SamplingParams {
-            temperature: 0.8,
-            ..SamplingParams::greedy()
-        },
-        1,
-        64,
-        limits(),
-    )
-    .unwrap();
-    verify(&mut sampled, &model, 0, &[-1], &[root]);
-    assert!(!sampled.decode_while_waiting(&model, &go).unwrap());
+/// A sampled session draws the token while it waits, then accepts the child holding it: the
+/// tokens it commits must follow the target's distribution. Over 3000 seeds, each session
+/// samples its first token (a root-only step), decodes while waiting, then gets a tree whose
+/// root's children are the two likeliest second tokens, each with the likeliest third below;
+/// the second and third committed tokens are tallied against the target's marginals (every
+/// cell within 5σ; seeds are fixed, so the outcome is deterministic). All three kinds of
+/// verdict must occur: a child and its child accepted, a child alone, no child (no forward).
+#[test]
+fn a_sampled_session_that_decoded_while_waiting_commits_the_target_distribution() {
+    let pair = TinyPair::new();
+    let model = Model::load(&pair.target, &LoadOptions::default()).unwrap();
+    let tok = TextTokenizer::load_for_model(&pair.target).unwrap();
+    let eos = tok.eos_ids().to_vec();
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+    };
+    let prompt = "The quick brown fox";
+    let (_, p2) = target_first_two(&pair.target, prompt, &params);
+    let p3 = target_third(&pair.target, prompt, &params);
+    let top = |p: &[f64], k: usize| {
+        let mut order: Vec<u32> = (0..p.len() as u32).collect();
+        order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]));
+        order.truncate(k);
+        order
+    };
+    let (children, below) = (top(&p2, 2), top(&p3, 1)[0]);
+    let ids = tok.encode(prompt, true).unwrap();
+    let (prefix, root) = (&ids[..ids.len() - 1], ids[ids.len() - 1]);
+    let go = AtomicBool::new(false);
+    const N: usize = 3000;
+    let (mut c2, mut c3) = (vec![0usize; p2.len()], vec![0usize; p3.len()]);
+    let mut kinds = [0usize; 3]; // accepted 2, 1, 0 nodes
+    for seed in 0..N as u64 {
+        let (mut s, _) = VerifySession::open(&model, prefix, params, seed, 64, limits()).unwrap();
+        let (first, _) = verify(&mut s, &model, 0, &[-1], &[root]);
+        let b = first.verdict.next_token;
+        if eos.contains(&b) {
+            continue;
+        }
+        assert!(s.decode_while_waiting(&model, &go).unwrap());
+        let parents = [-1, 0, 0, 1, 2];
+        let tokens = [b, children[0], children[1], below, below];
+        let q = |t: &[u32]| SparseDist {
+            tokens: t.to_vec(),
+            probs: vec![1.0 / t.len() as f32; t.len()],
+        };
+        let dists = vec![q(&children), q(&[below]), q(&[below])];
+        let r = match s.prepare_step(&model, 1, &parents, &tokens, dists).unwrap() {
+            Prepared::Done(r) => r,
+            Prepared::Tree(p) => s.run(&model, p).unwrap(),
+        };
+        let mut committed: Vec<u32> = r.verdict.accepted.iter().map(|&v| tokens[v]).collect();
+        committed.push(r.verdict.next_token);
+        kinds[2 - r.verdict.accepted.len()] += 1;
+        if committed.len() == 1 && !eos.contains(&committed[0]) {
+            // Nothing accepted: the third token comes from the next step.
+            let (next, _) = verify(&mut s, &model, 2, &[-1], &[committed[0]]);
+            committed.push(next.verdict.next_token);
+        }
+        c2[committed[0] as usize] += 1;
+        if !eos.contains(&committed[0]) {
+            c3[committed[1] as usize] += 1;
+        }
+    }
+    assert!(
+        kinds.iter().all(|&k| k > 0),
+        "every kind of verdict must occur (2, 1, 0 accepted: {kinds:?})"
+    );
+    let n2: usize = c2.iter().sum();
+    let s2 = worst_sigma(&c2, &p2, n2);
+    assert!(s2 <= 5.0, "second token deviates by {s2:.2}σ");
+    let n3: usize = c3.iter().sum();
+    let s3 = worst_sigma(&c3, &p3, n3);
+    assert!(s3 <= 5.0, "third token deviates by {s3:.2}σ");
 }

@@ -64,11 +64,11 @@ pub struct VerifyConfig {
     /// session reserves what its cache can grow to (prompt + max_new_tokens + one tree) at
     /// `open`; one that does not fit gets RESOURCE_EXHAUSTED.
     pub kv_budget_mb: usize,
-    /// Greedy sessions alone on this node decode the target's next token while they wait for a
+    /// Sessions alone on this node decode the target's next token while they wait for a
     /// tree that has been taking longer than half a forward to come (a tree that comes meanwhile
     /// stops that forward within a layer) (docs/ALGORITHMS.md §10, "The verify node
     /// decodes while it waits"): a tree without that token is answered without a forward, one
-    /// with it by forwarding only the subtree below it. Exact either way.
+    /// with it by forwarding only the subtree below it. Exact either way, greedy or sampled.
     pub decode_while_waiting: bool,
     /// Continuous batching of every session's trees and prefill chunks.
     pub batch: crate::batch::BatchConfig,

@@ -429,7 +429,7 @@ async fn run_session(
     Ok(())
 }
 
-/// A greedy session's wait for its next tree (docs/ALGORITHMS.md §10, "The verify node
+/// A session's wait for its next tree (docs/ALGORITHMS.md §10, "The verify node
 /// decodes while it waits"): how long trees took to come after their verdicts, and whether one
 /// is worth a forward of its own meanwhile.
 #[derive(Default)]
@@ -468,15 +468,13 @@ impl Waiting {
     /// A forward while waiting pays where the trees have been taking longer to come than half
     /// the latest verification took (a forward that a tree interrupts stops within a layer, so
     /// a wrong guess costs a layer; the half keeps the node from starting forwards that mostly
-    /// stop where trees come right behind their verdicts, as near a draft node), the session
-    /// decodes greedily, and it is alone on the node (a forward of its own would delay the
-    /// others' batches).
+    /// stop where trees come right behind their verdicts, as near a draft node) and the session
+    /// is alone on the node (a forward of its own would delay the others' batches).
     fn worth_decoding(&self, state: &VerifyState, session: &VerifySession) -> bool {
         let Some((_, verify_ms)) = self.answered else {
             return false;
         };
         state.config.decode_while_waiting
-            && session.is_greedy()
             && !session.has_waiting_token()
             && state.admission.active() == 1
             && self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms)

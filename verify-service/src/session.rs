@@ -62,7 +62,7 @@ pub struct VerifySession {
     /// The latest verdict (step, accepted nodes, next token): what a tree sent ahead for the
     /// next step is checked against.
     last_verdict: Option<(u64, Vec<usize>, u32)>,
-    /// A greedy session's next token, decoded while it waited for its next tree
+    /// The session's next token, decoded while it waited for its next tree
     /// ([`decode_while_waiting`](Self::decode_while_waiting)): the latest verdict's next token
     /// is then in the cache, and this is the target's token after it, with the time its
     /// forward took.
@@ -96,8 +96,9 @@ pub enum Prepared {
     /// Forward this tree (as always), then [`VerifySession::finish`].
     Tree(PreparedTree),
     /// The verdict is already known: the token decoded while waiting is none of the root's
-    /// children, so it is the step's next token, as the whole tree's verification would have
-    /// found, with no forward.
+    /// children, so it is the step's next token (for a greedy session what the whole tree's
+    /// verification would have found; for a sampled one a draw from the same distribution,
+    /// docs/ALGORITHMS.md §10), with no forward.
     Done(StepResult),
 }
 
@@ -245,12 +246,12 @@ impl VerifySession {
         self.cache.capacity()
     }
 
-    /// Greedy sessions, between a verdict and the next tree: decode the target's next token
+    /// Between a verdict and the next tree: decode the target's next token
     /// now (one forward of the verdict's next token), so that the time the next tree spends
     /// on its way is not lost (docs/ALGORITHMS.md §10, "The verify node decodes while it
     /// waits"). The next tree then meets it in [`prepare_step`](Self::prepare_step), a
     /// `decode` in [`take_waiting`](Self::take_waiting). False (nothing run) where there is
-    /// nothing to do: a sampled session, no verdict yet, a token already waiting, or fewer than
+    /// nothing to do: no verdict yet, a token already waiting, or fewer than
     /// two tokens left to commit.
     ///
     /// `stop` (set when the next message arrives) abandons the forward within a layer, with
@@ -264,7 +265,7 @@ impl VerifySession {
         let Some(&(_, _, root)) = self.last_verdict.as_ref() else {
             return Ok(false);
         };
-        if !self.params.is_greedy() || self.waiting_token.is_some() || self.tokens_left() < 2 {
+        if self.waiting_token.is_some() || self.tokens_left() < 2 {
             return Ok(false);
         }
         let t0 = Instant::now();
@@ -285,7 +286,8 @@ impl VerifySession {
         };
         let step = Step::new(&chain, &roots, &[], logits.vocab(), false)
             .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
-        // The rule every tree is verified by: a root-only tree's verdict is the argmax.
+        // The rule every tree is verified by: a root-only tree's verdict is the argmax, or
+        // for a sampled session a draw from the target's distribution (its own random stream).
         let next = verify_with_logits(&step, |v| logits.row(v), &self.params, &mut self.rng);
         self.cache.keep_newest(1, &[0])?;
         self.tokens.truncate(self.cache.len() - 1);
@@ -350,6 +352,12 @@ impl VerifySession {
     /// - if it is none of them, the verdict is known without a forward: nothing accepted, the
     ///   token next — what the whole tree's greedy verification finds, as the child the target
     ///   picks is the token it decoded.
+    ///
+    /// For a sampled session the decoded token is a draw from the target's distribution at the
+    /// root, made before the tree was seen; accepting the child that holds it (and nothing when
+    /// none does) commits a token with exactly that distribution, and the subtree below it is
+    /// verified by the usual rule: exact, and no worse at accepting a child than the rule
+    /// itself (docs/ALGORITHMS.md §10).
     pub fn prepare_step(
         &mut self,
         model: &Model,
@@ -402,6 +410,19 @@ impl VerifySession {
         let tree = Tree::from_parents(&sub_parents)
             .map_err(|e| SessionError::Invalid(format!("tree.parents: {e}")))?;
         let sub_tokens = nodes.iter().map(|&v| whole.tokens[v]).collect();
+        // A sampled session's subtree keeps its nodes' draft distributions (one per expanded
+        // node, in the tree's order of expanded nodes).
+        let dists = if whole.dists.is_empty() {
+            Vec::new()
+        } else {
+            let mut dist_of = vec![usize::MAX; whole.tokens.len()];
+            for (i, v) in whole.tree.expanded_nodes().enumerate() {
+                dist_of[v] = i;
+            }
+            tree.expanded_nodes()
+                .map(|v| whole.dists[dist_of[nodes[v]]].clone())
+                .collect()
+        };
         self.waiting_token = None;
         tracing::debug!(
             step,
@@ -412,7 +433,7 @@ impl VerifySession {
             step,
             tree,
             tokens: sub_tokens,
-            dists: Vec::new(),
+            dists,
             below: Some(Below {
                 child,
                 rank: rank + 1,
