@@ -5,7 +5,7 @@
 use sequoia_core::sampling::{SamplingParams, SessionRng, SparseDist, VERIFY_STREAM};
 use sequoia_core::tree::{Tree, TreeLimits};
 use sequoia_core::verify::{verify_with_logits, Step, Verdict};
-use sequoia_engine::{EngineError, KvCache, Logits, Model};
+use sequoia_engine::{EngineError, KvCache, Logits, Model, Stop};
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
@@ -67,6 +67,9 @@ pub struct VerifySession {
     /// is then in the cache, and this is the target's token after it, with the time its
     /// forward took.
     waiting_token: Option<(u32, f64)>,
+    /// Trees that met a token decoded while waiting: how many had it among the root's
+    /// children, and how many did not.
+    waits_matched: (u32, u32),
 }
 
 /// A tree that passed every check of [`VerifySession::prepare`]: ready to be forwarded (alone
@@ -177,6 +180,7 @@ impl VerifySession {
             token_limit: prefix.len() + max_new_tokens,
             last_verdict: None,
             waiting_token: None,
+            waits_matched: (0, 0),
         })
     }
 
@@ -256,7 +260,9 @@ impl VerifySession {
     ///
     /// `stop` (set when the next message arrives) abandons the forward within a layer, with
     /// nothing changed (then also false): a tree that comes sooner than expected waits at
-    /// most a layer, not a whole forward.
+    /// most a layer, not a whole forward. In the forward's last layers it is finished instead
+    /// (how many: where the rest costs less than the tree's forward is expected to cost more,
+    /// from how often this session's trees held the decoded token).
     pub fn decode_while_waiting(
         &mut self,
         model: &Model,
@@ -271,6 +277,18 @@ impl VerifySession {
         let t0 = Instant::now();
         let chain = Tree::chain(1);
         let roots = [root];
+        // A message that comes in the last layers finds the forward finished instead: with a
+        // share `r` of the forward left, finishing costs r forwards, after which a tree costs
+        // the subtree's forward if the token is a child of its root (probability `p`, this
+        // session's record) and nothing if not; stopping costs the tree's whole forward, at
+        // least one forward. So finish once r < 1 − p.
+        let layers = model.info().n_layers;
+        let (held, missed) = self.waits_matched;
+        let p = (held as f64 + 1.0) / ((held + missed) as f64 + 2.0);
+        let stop = Stop {
+            flag: stop,
+            before_layer: (layers as f64 * p).floor() as usize + 1,
+        };
         let logits = match model.forward_forest_extend_until(
             &mut self.cache,
             &roots,
@@ -389,11 +407,13 @@ impl VerifySession {
             .iter()
             .position(|&c| whole.tokens[c as usize] == token)
         else {
+            self.waits_matched.1 += 1;
             return Ok(match self.take_waiting(step, root) {
                 Some(done) => Prepared::Done(done),
                 None => Prepared::Tree(whole),
             });
         };
+        self.waits_matched.0 += 1;
         let child = children[rank] as usize;
         // The child's subtree in the sent order (parents come before their children).
         let mut index = vec![usize::MAX; whole.tokens.len()];

@@ -69,7 +69,7 @@ mod weights;
 use std::sync::OnceLock;
 
 pub use cache::KvCache;
-pub use model::{BatchEntry, BatchShape, Kernels, Model, ModelInfo};
+pub use model::{BatchEntry, BatchShape, Kernels, Model, ModelInfo, Stop};
 
 /// The CPU quantized-matmul kernels as a benchmark sees them (`sequoia engine-bench --kernels`):
 /// the ISA paths, one timed kernel by format name, and the load-time repack cost.

@@ -348,6 +348,32 @@ pub struct Model {
     cpu_attention: bool,
 }
 
+/// When a forward in progress gives up ([`Model::forward_forest_extend_until`]): before a
+/// layer below `before_layer` that finds `flag` set. Past that layer the forward runs to its
+/// end whatever the flag says: for a forward whose result may still serve (the verify node's
+/// decode while it waits, docs/ALGORITHMS.md §10), finishing its last layers can cost less
+/// than the forward that would replace it.
+#[derive(Debug, Clone, Copy)]
+pub struct Stop<'a> {
+    pub flag: &'a AtomicBool,
+    pub before_layer: usize,
+}
+
+impl<'a> Stop<'a> {
+    /// Stop before any layer once `flag` is set.
+    pub fn at_any_layer(flag: &'a AtomicBool) -> Self {
+        Self {
+            flag,
+            before_layer: usize::MAX,
+        }
+    }
+
+    /// Whether the forward stops before `layer`.
+    fn now(&self, layer: usize) -> bool {
+        layer < self.before_layer && self.flag.load(Ordering::Relaxed)
+    }
+}
+
 impl Model {
     /// Load a `.gguf` file or a Hugging Face folder (config.json + *.safetensors).
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Model, EngineError> {
@@ -621,8 +647,9 @@ impl Model {
 
     /// [`forward_forest_extend`](Self::forward_forest_extend) that gives up with
     /// [`EngineError::Stopped`] (no cache changed) as soon as it sees `stop` set, checked
-    /// before each layer: work that has become useless (a draft growing trees ahead for a
-    /// verdict that has just arrived) ends within one layer instead of one whole forward.
+    /// before each layer ([`Stop`] says up to which one): work that has become useless (a draft
+    /// growing trees ahead for a verdict that has just arrived) ends within one layer instead
+    /// of one whole forward.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_forest_extend_until(
         &self,
@@ -632,7 +659,7 @@ impl Model {
         start: usize,
         rows: &[usize],
         head_vocab: usize,
-        stop: Option<&AtomicBool>,
+        stop: Option<Stop<'_>>,
     ) -> Result<Logits, EngineError> {
         if head_vocab == 0 || head_vocab > self.info.vocab_size {
             return Err(EngineError::InvalidInput(format!(
@@ -785,7 +812,7 @@ impl Model {
         caches: &mut [&mut KvCache],
         tokens: &[u32],
         segments: &[Segment],
-        stop: Option<&AtomicBool>,
+        stop: Option<Stop<'_>>,
     ) -> Result<Tensor, EngineError> {
         let rows = tokens.len();
         if rows == 0 || segments.iter().any(|s| s.positions.is_empty()) {
@@ -861,7 +888,7 @@ impl Model {
         };
         let mut x = self.embed.forward(tokens, dev)?.to_dtype(self.dtype)?;
         for (layer, block) in self.blocks.iter().enumerate() {
-            if stop.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            if stop.is_some_and(|s| s.now(layer)) {
                 return Err(EngineError::Stopped);
             }
             let mut kvs: Vec<&mut super::cache::LayerKv> =

@@ -329,7 +329,7 @@ fn a_stopped_forward_changes_no_cache() {
             0,
             &[0, 1, 2],
             vocab,
-            Some(&stop),
+            Some(sequoia_engine::Stop::at_any_layer(&stop)),
         )
         .unwrap_err();
     assert!(matches!(err, EngineError::Stopped), "{err}");
@@ -344,6 +344,47 @@ fn a_stopped_forward_changes_no_cache() {
         .unwrap();
     for r in 0..3 {
         assert_eq!(after.row(r), want.row(r), "row {r}");
+    }
+}
+
+/// A stop flag honoured only before a given layer: set from the start, it stops a forward whose
+/// `before_layer` is 1 (before layer 0) and lets one whose `before_layer` is 0 run to its end,
+/// with the logits and cache of a forward given no flag at all.
+#[test]
+fn a_stop_past_its_last_layer_lets_the_forward_finish() {
+    let model = model();
+    let vocab = model.info().vocab_size;
+    let prefix = tokens(20, 3, vocab);
+    let nodes = tokens(3, 5, vocab);
+    let parents = [-1, 0, 0];
+    let set = AtomicBool::new(true);
+    let run = |before_layer: Option<usize>| {
+        let mut cache = model.new_cache();
+        model.forward_chain(&mut cache, &prefix).unwrap();
+        let stop = before_layer.map(|before_layer| sequoia_engine::Stop {
+            flag: &set,
+            before_layer,
+        });
+        let r = model.forward_forest_extend_until(
+            &mut cache,
+            &nodes,
+            &parents,
+            0,
+            &[0, 1, 2],
+            vocab,
+            stop,
+        );
+        (r, cache.len())
+    };
+    let (stopped, len) = run(Some(1));
+    assert!(matches!(stopped, Err(EngineError::Stopped)));
+    assert_eq!(len, prefix.len());
+    let (finished, len) = run(Some(0));
+    let (plain, plain_len) = run(None);
+    let (finished, plain) = (finished.unwrap(), plain.unwrap());
+    assert_eq!((len, plain_len), (prefix.len() + 3, prefix.len() + 3));
+    for r in 0..3 {
+        assert_eq!(finished.row(r), plain.row(r), "row {r}");
     }
 }
 

@@ -224,7 +224,7 @@ impl DraftSession {
                 start,
                 &rows,
                 self.head_vocab,
-                Some(stop),
+                Some(crate::Stop::at_any_layer(stop)),
             ) {
                 Ok(logits) => logits,
                 Err(EngineError::Stopped) => {
