@@ -12,6 +12,16 @@ const PROMPTS: [&str; 3] = [
     "fn main() { println!(\"hi\"); }",
 ];
 
+/// A verify node that forwards every tree as sent. Decoding while it waits (docs/ALGORITHMS.md
+/// §10) answers tiny models' trees so soon after they come that the draft may have no time to
+/// grow the next ones ahead (no hit in a whole run), and these tests are about trees grown
+/// ahead.
+fn node_verifying_every_tree(pair: &TinyPair) -> Running {
+    let mut config = verify_config(&pair.target);
+    config.decode_while_waiting = false;
+    start_verify(config)
+}
+
 fn piped(prompt: &str, max_tokens: u32, temperature: f32, seed: u64, on: bool) -> GenerateRequest {
     GenerateRequest {
         pipeline: Some(on),
@@ -22,7 +32,7 @@ fn piped(prompt: &str, max_tokens: u32, temperature: f32, seed: u64, on: bool) -
 #[test]
 fn pipelined_greedy_output_equals_target_only_decoding() {
     let pair = TinyPair::new();
-    let verify = start_verify(verify_config(&pair.target));
+    let verify = node_verifying_every_tree(&pair);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let (mut hits, mut misses) = (0, 0);
     for (nodes, levels) in [(4, 4), (8, 4), (16, 6)] {
@@ -56,22 +66,28 @@ fn pipelined_greedy_output_equals_target_only_decoding() {
 #[test]
 fn seeded_sampling_is_the_same_with_pipelining_on_and_off() {
     let pair = TinyPair::new();
-    let verify = start_verify(verify_config(&pair.target));
+    let verify = node_verifying_every_tree(&pair);
     let draft = start_draft(draft_config(&pair.draft, &[verify.url()], 8, 4));
+    // And through a node that decodes while it waits, which must not change a seeded output
+    // either, whenever it happens to decode.
+    let waiting = start_verify(verify_config(&pair.target));
+    let draft_waiting = start_draft(draft_config(&pair.draft, &[waiting.url()], 8, 4));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut hits = 0;
     for t in [0.3, 0.7, 1.0] {
         for seed in 0..6 {
             let prompt = PROMPTS[seed as usize % PROMPTS.len()];
-            let run = |on| {
-                rt.block_on(within(
-                    120,
-                    generate(&draft.url(), piped(prompt, 40, t, seed, on)),
-                ))
-                .expect("generation succeeds")
+            let run = |url: &str, on| {
+                rt.block_on(within(120, generate(url, piped(prompt, 40, t, seed, on))))
+                    .expect("generation succeeds")
             };
-            let (off, on) = (run(false), run(true));
+            let (off, on) = (run(&draft.url(), false), run(&draft.url(), true));
             assert_eq!(off.tokens, on.tokens, "T {t}, seed {seed}");
+            let waited = run(&draft_waiting.url(), true);
+            assert_eq!(
+                off.tokens, waited.tokens,
+                "T {t}, seed {seed}, a node that decodes while waiting"
+            );
             let s = on.summary.unwrap();
             assert_eq!(off.summary.unwrap().pipeline_hits, 0);
             hits += s.pipeline_hits;
@@ -87,7 +103,7 @@ fn seeded_sampling_is_the_same_with_pipelining_on_and_off() {
 #[test]
 fn pipelined_sampling_follows_the_target_distribution() {
     let pair = TinyPair::new();
-    let verify = start_verify(verify_config(&pair.target));
+    let verify = node_verifying_every_tree(&pair);
     let draft = start_draft(draft_config(&pair.target, &[verify.url()], 2, 2));
     let eos = sequoia_engine::tokenizer::TextTokenizer::load_for_model(&pair.target)
         .unwrap()

@@ -4,7 +4,7 @@
 
 use sequoia_core::sampling::{SamplingParams, SessionRng, SparseDist, VERIFY_STREAM};
 use sequoia_core::tree::{Tree, TreeLimits};
-use sequoia_core::verify::{verify_with_logits, Step, Verdict};
+use sequoia_core::verify::{decide_with_logits, verify_with_logits, Decision, Step, Verdict};
 use sequoia_engine::{EngineError, KvCache, Logits, Model, Stop};
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
@@ -62,13 +62,12 @@ pub struct VerifySession {
     /// The latest verdict (step, accepted nodes, next token): what a tree sent ahead for the
     /// next step is checked against.
     last_verdict: Option<(u64, Vec<usize>, u32)>,
-    /// The session's next token, decoded while it waited for its next tree
-    /// ([`decode_while_waiting`](Self::decode_while_waiting)): the latest verdict's next token
-    /// is then in the cache, and this is the target's token after it, with the time its
-    /// forward took.
-    waiting_token: Option<(u32, f64)>,
-    /// Trees that met a token decoded while waiting: how many had it among the root's
-    /// children, and how many did not.
+    /// The latest verdict's next token, forwarded while the session waited for its next tree
+    /// ([`decode_while_waiting`](Self::decode_while_waiting)): it is in the cache, and this is
+    /// the target's logits row at it, with the time its forward took.
+    root_ahead: Option<RootAhead>,
+    /// Trees that met a root forwarded while waiting: how many had a child of the root
+    /// accepted (a subtree to forward), and how many had none.
     waits_matched: (u32, u32),
 }
 
@@ -94,14 +93,20 @@ struct Below {
     nodes: Vec<usize>,
 }
 
+/// A root forwarded while the session waited: the target's logits row at it, and how long
+/// its forward took.
+#[derive(Debug)]
+struct RootAhead {
+    logits: Vec<f32>,
+    ms: f64,
+}
+
 /// What a tree meets on a session that decoded while it waited.
 pub enum Prepared {
     /// Forward this tree (as always), then [`VerifySession::finish`].
     Tree(PreparedTree),
-    /// The verdict is already known: the token decoded while waiting is none of the root's
-    /// children, so it is the step's next token (for a greedy session what the whole tree's
-    /// verification would have found; for a sampled one a draw from the same distribution,
-    /// docs/ALGORITHMS.md §10), with no forward.
+    /// The verdict is already known with no forward: the rule, deciding at the root from the
+    /// row forwarded while waiting, accepted none of its children.
     Done(StepResult),
 }
 
@@ -179,7 +184,7 @@ impl VerifySession {
             limits,
             token_limit: prefix.len() + max_new_tokens,
             last_verdict: None,
-            waiting_token: None,
+            root_ahead: None,
             waits_matched: (0, 0),
         })
     }
@@ -250,19 +255,20 @@ impl VerifySession {
         self.cache.capacity()
     }
 
-    /// Between a verdict and the next tree: decode the target's next token
-    /// now (one forward of the verdict's next token), so that the time the next tree spends
-    /// on its way is not lost (docs/ALGORITHMS.md §10, "The verify node decodes while it
-    /// waits"). The next tree then meets it in [`prepare_step`](Self::prepare_step), a
-    /// `decode` in [`take_waiting`](Self::take_waiting). False (nothing run) where there is
-    /// nothing to do: no verdict yet, a token already waiting, or fewer than
+    /// Between a verdict and the next tree: forward the verdict's next token now (the root of
+    /// the next tree), keeping the target's logits row at it, so that the time the next tree
+    /// spends on its way is not lost (docs/ALGORITHMS.md §10, "The verify node decodes while
+    /// it waits"). The next tree then meets it in [`prepare_step`](Self::prepare_step), a
+    /// `decode` in [`take_waiting`](Self::take_waiting). Nothing is drawn or decided here, so
+    /// the verdicts are the ones the whole tree gets, greedy or sampled. False (nothing run)
+    /// where there is nothing to do: no verdict yet, a root already forwarded, or fewer than
     /// two tokens left to commit.
     ///
     /// `stop` (set when the next message arrives) abandons the forward within a layer, with
     /// nothing changed (then also false): a tree that comes sooner than expected waits at
     /// most a layer, not a whole forward. In the forward's last layers it is finished instead
     /// (how many: where the rest costs less than the tree's forward is expected to cost more,
-    /// from how often this session's trees held the decoded token).
+    /// from how often this session's trees had a child of the root accepted).
     pub fn decode_while_waiting(
         &mut self,
         model: &Model,
@@ -271,7 +277,7 @@ impl VerifySession {
         let Some(&(_, _, root)) = self.last_verdict.as_ref() else {
             return Ok(false);
         };
-        if self.waiting_token.is_some() || self.tokens_left() < 2 {
+        if self.root_ahead.is_some() || self.tokens_left() < 2 {
             return Ok(false);
         }
         let t0 = Instant::now();
@@ -302,15 +308,15 @@ impl VerifySession {
             Err(EngineError::Stopped) => return Ok(false),
             Err(e) => return Err(e.into()),
         };
-        let step = Step::new(&chain, &roots, &[], logits.vocab(), false)
-            .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
-        // The rule every tree is verified by: a root-only tree's verdict is the argmax, or
-        // for a sampled session a draw from the target's distribution (its own random stream).
-        let next = verify_with_logits(&step, |v| logits.row(v), &self.params, &mut self.rng);
         self.cache.keep_newest(1, &[0])?;
         self.tokens.truncate(self.cache.len() - 1);
         self.tokens.push(root);
-        self.waiting_token = Some((next.next_token, t0.elapsed().as_secs_f64() * 1e3));
+        // Nothing is decided yet (a sampled session draws nothing now): the tree's rule decides
+        // at the root from this row when the tree comes, drawing what it always draws there.
+        self.root_ahead = Some(RootAhead {
+            logits: logits.row(0).to_vec(),
+            ms: t0.elapsed().as_secs_f64() * 1e3,
+        });
         Ok(true)
     }
 
@@ -319,29 +325,43 @@ impl VerifySession {
         self.params.is_greedy()
     }
 
-    /// Whether a token decoded while waiting is held.
+    /// Whether a root forwarded while waiting is held.
     pub fn has_waiting_token(&self) -> bool {
-        self.waiting_token.is_some()
+        self.root_ahead.is_some()
     }
 
-    /// The token decoded while waiting as step `step`'s verdict (nothing accepted, it is the
-    /// next token), if it is there and `root` is the token it followed; a `root` it did not
-    /// follow takes it back (the cache is as before it) and gives None.
+    /// Step `step`'s verdict for a `decode` (a root-only tree) from the root forwarded while
+    /// waiting, if it is there and `root` is the token it forwarded: nothing accepted, the
+    /// target's token next (argmax, or drawn as a root-only tree's verification draws it). A
+    /// `root` it did not forward takes it back (the cache is as before it) and gives None.
     pub fn take_waiting(&mut self, step: u64, root: u32) -> Option<StepResult> {
-        let (token, ms) = self.waiting_token?;
         let followed = self.last_verdict.as_ref().map(|v| v.2);
-        if step != self.next_step || followed != Some(root) {
+        if self.root_ahead.is_none() || step != self.next_step || followed != Some(root) {
             self.drop_waiting();
             return None;
         }
-        self.waiting_token = None;
+        let ahead = self.root_ahead.take()?;
+        let chain = Tree::chain(1);
+        let roots = [root];
+        let checked = Step::new(&chain, &roots, &[], ahead.logits.len(), false).ok()?;
+        let token =
+            match decide_with_logits(&checked, 0, &ahead.logits, &self.params, &mut self.rng) {
+                Decision::Next(token) => token,
+                Decision::Accept { .. } => unreachable!("a root-only tree has no child to accept"),
+            };
+        Some(self.answered_ahead(step, token, ahead.ms))
+    }
+
+    /// The verdict of a step that the root forwarded while waiting settled with no forward:
+    /// nothing accepted, `token` next.
+    fn answered_ahead(&mut self, step: u64, token: u32, ms: f64) -> StepResult {
         self.next_step += 1;
         self.last_verdict = Some((step, Vec::new(), token));
         tracing::debug!(
             step,
             "verdict from the token decoded while waiting, no forward"
         );
-        Some(StepResult {
+        StepResult {
             step,
             verdict: Verdict {
                 accepted: Vec::new(),
@@ -351,31 +371,28 @@ impl VerifySession {
             verify_ms: ms,
             batch_rows: 1,
             batch_sessions: 1,
-        })
+        }
     }
 
-    /// Take back a token decoded while waiting: its root leaves the cache again.
+    /// Take back a root forwarded while waiting: it leaves the cache again.
     fn drop_waiting(&mut self) {
-        if self.waiting_token.take().is_some() {
+        if self.root_ahead.take().is_some() {
             let len = self.cache.len() - 1;
             self.cache.truncate(len);
             self.tokens.truncate(len);
         }
     }
 
-    /// [`prepare`](Self::prepare), where a token may have been decoded while waiting. If one
-    /// was, the tree is checked whole, and then:
-    /// - if the token is one of the root's children, only that child's subtree is forwarded
-    ///   (its verdict is mapped back onto the tree in [`finish`](Self::finish));
-    /// - if it is none of them, the verdict is known without a forward: nothing accepted, the
-    ///   token next — what the whole tree's greedy verification finds, as the child the target
-    ///   picks is the token it decoded.
+    /// [`prepare`](Self::prepare), where the root may have been forwarded while waiting. If it
+    /// was, the tree is checked whole and the rule decides at the root from that row, drawing
+    /// (a sampled session) exactly what the whole tree's verification draws there; then:
+    /// - a child accepted: only that child's subtree is forwarded, and its verification goes
+    ///   on from the child (its verdict is mapped back onto the tree in
+    ///   [`finish`](Self::finish));
+    /// - no child accepted: the verdict is known without a forward, nothing accepted and the
+    ///   rule's next token.
     ///
-    /// For a sampled session the decoded token is a draw from the target's distribution at the
-    /// root, made before the tree was seen; accepting the child that holds it (and nothing when
-    /// none does) commits a token with exactly that distribution, and the subtree below it is
-    /// verified by the usual rule: exact, and no worse at accepting a child than the rule
-    /// itself (docs/ALGORITHMS.md §10).
+    /// Every verdict, and the random stream after it, is the one the whole tree would get.
     pub fn prepare_step(
         &mut self,
         model: &Model,
@@ -384,7 +401,7 @@ impl VerifySession {
         tokens: &[u32],
         dists: Vec<SparseDist>,
     ) -> Result<Prepared, SessionError> {
-        let Some((token, _)) = self.waiting_token else {
+        if self.root_ahead.is_none() {
             return self
                 .prepare(model, step, parents, tokens, dists)
                 .map(Prepared::Tree);
@@ -402,19 +419,28 @@ impl VerifySession {
             self.drop_waiting();
             return Ok(Prepared::Tree(whole));
         }
-        let children = whole.tree.children(0);
-        let Some(rank) = children
-            .iter()
-            .position(|&c| whole.tokens[c as usize] == token)
-        else {
-            self.waits_matched.1 += 1;
-            return Ok(match self.take_waiting(step, root) {
-                Some(done) => Prepared::Done(done),
-                None => Prepared::Tree(whole),
-            });
+        // The rule's decision at the root, from the row forwarded while waiting: it draws what
+        // the whole tree's verification would draw there, in the same order.
+        let Some(ahead) = self.root_ahead.take() else {
+            return Ok(Prepared::Tree(whole));
         };
+        let checked = Step::new(
+            &whole.tree,
+            &whole.tokens,
+            &whole.dists,
+            ahead.logits.len(),
+            !self.params.is_greedy(),
+        )
+        .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
+        let (child, rank) =
+            match decide_with_logits(&checked, 0, &ahead.logits, &self.params, &mut self.rng) {
+                Decision::Next(token) => {
+                    self.waits_matched.1 += 1;
+                    return Ok(Prepared::Done(self.answered_ahead(step, token, ahead.ms)));
+                }
+                Decision::Accept { child, rank } => (child, rank),
+            };
         self.waits_matched.0 += 1;
-        let child = children[rank] as usize;
         // The child's subtree in the sent order (parents come before their children).
         let mut index = vec![usize::MAX; whole.tokens.len()];
         let mut nodes = vec![child];
@@ -443,7 +469,6 @@ impl VerifySession {
                 .map(|v| whole.dists[dist_of[nodes[v]]].clone())
                 .collect()
         };
-        self.waiting_token = None;
         tracing::debug!(
             step,
             rows = nodes.len(),
@@ -454,17 +479,14 @@ impl VerifySession {
             tree,
             tokens: sub_tokens,
             dists,
-            below: Some(Below {
-                child,
-                rank: rank + 1,
-                nodes,
-            }),
+            below: Some(Below { child, rank, nodes }),
         }))
     }
 
-    /// Verify one tree alone: [`prepare_step`](Self::prepare_step), then (unless a token
-    /// decoded while waiting already gave the verdict) one forward and [`finish`](Self::finish).
-    /// On any error the session's state is as if it had not decoded while waiting.
+    /// Verify one tree alone: [`prepare_step`](Self::prepare_step), then (unless the root
+    /// forwarded while waiting already gave the verdict) one forward and
+    /// [`finish`](Self::finish). A tree that its checks refuse leaves the session as if it had
+    /// not decoded while waiting.
     pub fn verify(
         &mut self,
         model: &Model,

@@ -213,16 +213,38 @@ pub fn verify_with_logits<'r>(
     params: &SamplingParams,
     rng: &mut SessionRng,
 ) -> Verdict {
+    walk(|v| decide_with_logits(step, v, logits_row(v), params, rng))
+}
+
+/// What the rule decides at one node of the walk: one of its children accepted (the child's
+/// index and its 1-based rank among the siblings), or the token that comes next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Accept { child: usize, rank: usize },
+    Next(u32),
+}
+
+/// The rule's decision at node `v` from the target's logits there, drawing from `rng` exactly
+/// what [`verify_with_logits`] draws at that node. Each node's decision needs only its own
+/// row, so a caller that has the root's row before the rest of the tree (the verify node's
+/// decode while it waits) can decide the root first and forward only the accepted child's
+/// subtree, for the verdict the whole tree would get.
+pub fn decide_with_logits(
+    step: &Step<'_>,
+    v: usize,
+    logits: &[f32],
+    params: &SamplingParams,
+    rng: &mut SessionRng,
+) -> Decision {
     if params.is_greedy() {
-        verify_greedy(step, |v| argmax(logits_row(v)))
+        decide_greedy(step, v, argmax(logits))
     } else {
-        verify_stochastic(step, |v| probs_from_logits(logits_row(v), params), rng)
+        decide_stochastic(step, v, || probs_from_logits(logits, params), rng)
     }
 }
 
-/// Greedy rule: follow the child whose token is the target's argmax at each node.
-pub fn verify_greedy(step: &Step<'_>, mut target_argmax: impl FnMut(usize) -> u32) -> Verdict {
-    let (tree, tokens) = (step.tree, step.tokens);
+/// Walk down from the root, deciding at each node until a next token comes.
+fn walk(mut decide: impl FnMut(usize) -> Decision) -> Verdict {
     let mut verdict = Verdict {
         accepted: Vec::new(),
         ranks: Vec::new(),
@@ -230,22 +252,37 @@ pub fn verify_greedy(step: &Step<'_>, mut target_argmax: impl FnMut(usize) -> u3
     };
     let mut v = 0;
     loop {
-        let best = target_argmax(v);
-        match tree
-            .children(v)
-            .iter()
-            .position(|&c| tokens[c as usize] == best)
-        {
-            Some(r) => {
-                v = tree.children(v)[r] as usize;
-                verdict.accepted.push(v);
-                verdict.ranks.push(r + 1);
+        match decide(v) {
+            Decision::Accept { child, rank } => {
+                verdict.accepted.push(child);
+                verdict.ranks.push(rank);
+                v = child;
             }
-            None => {
-                verdict.next_token = best;
+            Decision::Next(token) => {
+                verdict.next_token = token;
                 return verdict;
             }
         }
+    }
+}
+
+/// Greedy rule: follow the child whose token is the target's argmax at each node.
+pub fn verify_greedy(step: &Step<'_>, mut target_argmax: impl FnMut(usize) -> u32) -> Verdict {
+    walk(|v| decide_greedy(step, v, target_argmax(v)))
+}
+
+/// The greedy rule at node `v`: the child holding the target's argmax `best`, else `best`.
+pub fn decide_greedy(step: &Step<'_>, v: usize, best: u32) -> Decision {
+    let children = step.tree.children(v);
+    match children
+        .iter()
+        .position(|&c| step.tokens[c as usize] == best)
+    {
+        Some(r) => Decision::Accept {
+            child: children[r] as usize,
+            rank: r + 1,
+        },
+        None => Decision::Next(best),
     }
 }
 
@@ -256,71 +293,66 @@ pub fn verify_stochastic(
     mut target_probs: impl FnMut(usize) -> Vec<f32>,
     rng: &mut SessionRng,
 ) -> Verdict {
-    let (tree, tokens) = (step.tree, step.tokens);
-    let mut verdict = Verdict {
-        accepted: Vec::new(),
-        ranks: Vec::new(),
-        next_token: 0,
-    };
-    let mut v = 0;
-    loop {
-        // p is kept unnormalized with its mass, so a residual update touches only q's support.
-        let mut p = target_probs(v);
-        let mut mass: f64 = p.iter().map(|&x| x.max(0.0) as f64).sum();
-        let children = tree.children(v);
-        let q_index = step.dist_of[v];
-        let mut next = None;
-        if let (false, Some(qi)) = (children.is_empty(), q_index) {
-            let q = &step.dists[qi];
-            let mut qw: Vec<f64> = q.probs.iter().map(|&x| x as f64).collect();
-            let mut q_mass: f64 = qw.iter().sum();
-            for (r, &c) in children.iter().enumerate() {
-                let token = tokens[c as usize];
-                let Some(j) = q.tokens.iter().position(|&t| t == token) else {
-                    break; // unreachable for a validated step
+    walk(|v| decide_stochastic(step, v, || target_probs(v), rng))
+}
+
+/// The stochastic rule at node `v`: its children in order, each accepted with probability
+/// min(1, p/q) under the residual left by the ones before it (q without the rejected tokens:
+/// sampling without replacement), else the next token drawn from the final residual.
+/// `target_probs` gives the target's distribution at `v`.
+pub fn decide_stochastic(
+    step: &Step<'_>,
+    v: usize,
+    mut target_probs: impl FnMut() -> Vec<f32>,
+    rng: &mut SessionRng,
+) -> Decision {
+    let tokens = step.tokens;
+    // p is kept unnormalized with its mass, so a residual update touches only q's support.
+    let mut p = target_probs();
+    let mut mass: f64 = p.iter().map(|&x| x.max(0.0) as f64).sum();
+    let children = step.tree.children(v);
+    if let (false, Some(qi)) = (children.is_empty(), step.dist_of[v]) {
+        let q = &step.dists[qi];
+        let mut qw: Vec<f64> = q.probs.iter().map(|&x| x as f64).collect();
+        let mut q_mass: f64 = qw.iter().sum();
+        for (r, &c) in children.iter().enumerate() {
+            let token = tokens[c as usize];
+            let Some(j) = q.tokens.iter().position(|&t| t == token) else {
+                break; // unreachable for a validated step
+            };
+            let q_t = qw[j] / q_mass;
+            let p_t = p.get(token as usize).map_or(0.0, |&x| x.max(0.0) as f64) / mass;
+            if rng.uniform() * q_t < p_t {
+                return Decision::Accept {
+                    child: c as usize,
+                    rank: r + 1,
                 };
-                let q_t = qw[j] / q_mass;
-                let p_t = p.get(token as usize).map_or(0.0, |&x| x.max(0.0) as f64) / mass;
-                if rng.uniform() * q_t < p_t {
-                    next = Some((c as usize, r + 1));
-                    break;
-                }
-                // Residual: p ← max(p − q, 0), in p's unnormalized units.
-                let mut removed = 0.0f64;
-                for (k, &t) in q.tokens.iter().enumerate() {
-                    if let Some(slot) = p.get_mut(t as usize) {
-                        let old = slot.max(0.0) as f64;
-                        let new = (old - qw[k] / q_mass * mass).max(0.0);
-                        *slot = new as f32;
-                        removed += old - new;
-                    }
-                }
-                mass -= removed;
-                // Drop the rejected token from q (sampling without replacement).
-                q_mass -= qw[j];
-                qw[j] = 0.0;
-                if mass <= DEGENERATE_MASS {
-                    // p ≈ q made the residual vanish: sample from the target itself.
-                    p = target_probs(v);
-                    break;
-                }
-                if q_mass <= 0.0 {
-                    break; // q exhausted: no sibling can follow (validated), emit from the residual
+            }
+            // Residual: p ← max(p − q, 0), in p's unnormalized units.
+            let mut removed = 0.0f64;
+            for (k, &t) in q.tokens.iter().enumerate() {
+                if let Some(slot) = p.get_mut(t as usize) {
+                    let old = slot.max(0.0) as f64;
+                    let new = (old - qw[k] / q_mass * mass).max(0.0);
+                    *slot = new as f32;
+                    removed += old - new;
                 }
             }
-        }
-        match next {
-            Some((c, rank)) => {
-                verdict.accepted.push(c);
-                verdict.ranks.push(rank);
-                v = c;
+            mass -= removed;
+            // Drop the rejected token from q (sampling without replacement).
+            q_mass -= qw[j];
+            qw[j] = 0.0;
+            if mass <= DEGENERATE_MASS {
+                // p ≈ q made the residual vanish: sample from the target itself.
+                p = target_probs();
+                break;
             }
-            None => {
-                verdict.next_token = sample_dense(&p, rng);
-                return verdict;
+            if q_mass <= 0.0 {
+                break; // q exhausted: no sibling can follow (validated), emit from the residual
             }
         }
     }
+    Decision::Next(sample_dense(&p, rng))
 }
 
 #[cfg(test)]
