@@ -285,7 +285,7 @@ impl VerifySession {
         let roots = [root];
         // A message that comes in the last layers finds the forward finished instead: with a
         // share `r` of the forward left, finishing costs r forwards, after which a tree costs
-        // the subtree's forward if the token is a child of its root (probability `p`, this
+        // the subtree's forward if a child of its root is accepted (probability `p`, this
         // session's record) and nothing if not; stopping costs the tree's whole forward, at
         // least one forward. So finish once r < 1 − p.
         let layers = model.info().n_layers;
@@ -340,10 +340,14 @@ impl VerifySession {
             self.drop_waiting();
             return None;
         }
-        let ahead = self.root_ahead.take()?;
         let chain = Tree::chain(1);
         let roots = [root];
-        let checked = Step::new(&chain, &roots, &[], ahead.logits.len(), false).ok()?;
+        let vocab = self.root_ahead.as_ref()?.logits.len();
+        let Ok(checked) = Step::new(&chain, &roots, &[], vocab, false) else {
+            self.drop_waiting();
+            return None;
+        };
+        let ahead = self.root_ahead.take()?;
         let token =
             match decide_with_logits(&checked, 0, &ahead.logits, &self.params, &mut self.rng) {
                 Decision::Next(token) => token,
@@ -421,17 +425,25 @@ impl VerifySession {
         }
         // The rule's decision at the root, from the row forwarded while waiting: it draws what
         // the whole tree's verification would draw there, in the same order.
-        let Some(ahead) = self.root_ahead.take() else {
+        let Some(vocab) = self.root_ahead.as_ref().map(|a| a.logits.len()) else {
             return Ok(Prepared::Tree(whole));
         };
-        let checked = Step::new(
+        let checked = match Step::new(
             &whole.tree,
             &whole.tokens,
             &whole.dists,
-            ahead.logits.len(),
+            vocab,
             !self.params.is_greedy(),
-        )
-        .map_err(|e| SessionError::Invalid(format!("tree: {e}")))?;
+        ) {
+            Ok(checked) => checked,
+            Err(e) => {
+                self.drop_waiting();
+                return Err(SessionError::Invalid(format!("tree: {e}")));
+            }
+        };
+        let Some(ahead) = self.root_ahead.take() else {
+            return Ok(Prepared::Tree(whole));
+        };
         let (child, rank) =
             match decide_with_logits(&checked, 0, &ahead.logits, &self.params, &mut self.rng) {
                 Decision::Next(token) => {
