@@ -22,7 +22,15 @@ fn limits() -> SessionLimits {
     }
 }
 
-/// Verify one tree; also says whether the model ran for it.
+/// The tiny target model and its tokenizer.
+fn target() -> (TinyPair, Model, TextTokenizer) {
+    let pair = TinyPair::new();
+    let model = Model::load(&pair.target, &LoadOptions::default()).unwrap();
+    let tok = TextTokenizer::load_for_model(&pair.target).unwrap();
+    (pair, model, tok)
+}
+
+/// Verify one greedy tree; also says whether the model ran for it.
 fn verify(
     s: &mut VerifySession,
     model: &Model,
@@ -30,10 +38,19 @@ fn verify(
     parents: &[i32],
     tokens: &[u32],
 ) -> (StepResult, bool) {
-    match s
-        .prepare_step(model, step, parents, tokens, Vec::new())
-        .unwrap()
-    {
+    verify_sampled(s, model, step, parents, tokens, Vec::new())
+}
+
+/// Verify one tree with its draft distributions; also says whether the model ran for it.
+fn verify_sampled(
+    s: &mut VerifySession,
+    model: &Model,
+    step: u64,
+    parents: &[i32],
+    tokens: &[u32],
+    dists: Vec<SparseDist>,
+) -> (StepResult, bool) {
+    match s.prepare_step(model, step, parents, tokens, dists).unwrap() {
         Prepared::Done(r) => (r, false),
         Prepared::Tree(p) => (s.run(model, p).unwrap(), true),
     }
@@ -49,9 +66,7 @@ fn same(a: &StepResult, b: &StepResult, what: &str) {
 
 #[test]
 fn a_token_decoded_while_waiting_changes_no_verdict() {
-    let pair = TinyPair::new();
-    let model = Model::load(&pair.target, &LoadOptions::default()).unwrap();
-    let tok = TextTokenizer::load_for_model(&pair.target).unwrap();
+    let (_pair, model, tok) = target();
     let vocab = model.info().vocab_size as u32;
     let ids = tok.encode("The quick brown fox", true).unwrap();
     let (g, _) = plain_greedy_ids(&model, &[], &ids, 8);
@@ -77,12 +92,12 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
     assert!(!waits
         .decode_while_waiting(&model, &AtomicBool::new(true))
         .unwrap());
-    assert!(!waits.has_waiting_token());
+    assert!(!waits.has_root_ahead());
     assert_eq!(waits.context_len(), before);
 
     // The target's token is the root's second child; both children have a child.
     assert!(waits.decode_while_waiting(&model, &go).unwrap());
-    assert!(waits.has_waiting_token());
+    assert!(waits.has_root_ahead());
     let (parents, tokens) = ([-1, 0, 0, 1, 2], [g[0], other(g[1]), g[1], g[2], g[2]]);
     let (a, ran) = verify(&mut waits, &model, 1, &parents, &tokens);
     let (b, _) = verify(&mut plain, &model, 1, &parents, &tokens);
@@ -120,7 +135,7 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
     let (a, ran) = verify(&mut waits, &model, 4, &parents, &tokens);
     let (b, _) = verify(&mut plain, &model, 4, &parents, &tokens);
     same(&a, &b, "tree with another root");
-    assert!(ran && !waits.has_waiting_token());
+    assert!(ran && !waits.has_root_ahead());
 
     // Both caches hold the same tokens: the next step agrees too.
     assert_eq!(waits.context_len(), plain.context_len());
@@ -138,10 +153,7 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
 /// child alone, none (no forward).
 #[test]
 fn a_sampled_session_that_decoded_while_waiting_gives_the_verdicts_of_one_that_did_not() {
-    let pair = TinyPair::new();
-    let model = Model::load(&pair.target, &LoadOptions::default()).unwrap();
-    let tok = TextTokenizer::load_for_model(&pair.target).unwrap();
-    let vocab = model.info().vocab_size as u32;
+    let (pair, model, tok) = target();
     let params = SamplingParams {
         temperature: 1.0,
         top_k: 0,
@@ -182,22 +194,14 @@ fn a_sampled_session_that_decoded_while_waiting_gives_the_verdicts_of_one_that_d
             let (parents, tokens, dists) = if step % 3 == 2 {
                 (vec![-1], vec![next], Vec::new())
             } else {
-                let mut c = children.clone();
-                if c.contains(&next) || c[0] == c[1] {
-                    c = vec![(next + 1) % vocab, (next + 2) % vocab];
-                }
                 (
                     vec![-1, 0, 0, 1, 2],
-                    vec![next, c[0], c[1], below, below],
-                    vec![q(&c), q(&[below]), q(&[below])],
+                    vec![next, children[0], children[1], below, below],
+                    vec![q(&children), q(&[below]), q(&[below])],
                 )
             };
-            let run = |s: &mut VerifySession| match s
-                .prepare_step(&model, step, &parents, &tokens, dists.clone())
-                .unwrap()
-            {
-                Prepared::Done(r) => r,
-                Prepared::Tree(p) => s.run(&model, p).unwrap(),
+            let run = |s: &mut VerifySession| {
+                verify_sampled(s, &model, step, &parents, &tokens, dists.clone()).0
             };
             let (a, b) = (run(&mut waits), run(&mut plain));
             same(&a, &b, &format!("seed {seed}, step {step}"));

@@ -9,7 +9,7 @@
 //! token is a one-row entry of the shared forwards.
 
 use crate::service::{blocking, to_status, VerifyState};
-use crate::session::VerifySession;
+use crate::session::{Prepared, VerifySession};
 use sequoia_core::limits::{DECODE_PROTOCOL_VERSION, MAX_DECODE_TOKENS};
 use sequoia_proto::v1::{session_response, DecodeTokens, Decoded, SessionResponse};
 use sequoia_server::process::secs;
@@ -90,22 +90,23 @@ pub async fn decode(
             ));
         }
         let model = state.model.clone();
-        // A token decoded while the session waited (greedy sessions) is this one's.
-        let waited = session.take_waiting(step, root);
-        let r = match (&state.scheduler, waited) {
-            (_, Some(r)) => r,
-            (Some(scheduler), None) => {
-                let prepared = session
-                    .prepare(&model, step, &[-1], &[root], Vec::new())
-                    .map_err(to_status)?;
-                let (back, r) = scheduler
-                    .verify(session, prepared)
-                    .await
-                    .map_err(to_status)?;
-                session = back;
-                r
-            }
-            (None, None) => {
+        // A root forwarded while the session waited gives the verdict with no forward.
+        let r = match &state.scheduler {
+            Some(scheduler) => match session
+                .prepare_step(&model, step, &[-1], &[root], Vec::new())
+                .map_err(to_status)?
+            {
+                Prepared::Done(r) => r,
+                Prepared::Tree(prepared) => {
+                    let (back, r) = scheduler
+                        .verify(session, prepared)
+                        .await
+                        .map_err(to_status)?;
+                    session = back;
+                    r
+                }
+            },
+            None => {
                 let (back, r) = blocking(move || {
                     let r = session.verify(&model, step, &[-1], &[root], &[]);
                     (session, r)

@@ -253,7 +253,7 @@ async fn run_session(
     let pending = Arc::new(AtomicBool::new(false));
     let expect = Arc::new(AtomicU64::new(u64::MAX));
     let (flag, expected) = (pending.clone(), expect.clone());
-    let reader = AbortOnDrop(tokio::spawn(async move {
+    let _reader = AbortOnDrop(tokio::spawn(async move {
         loop {
             let m = inbound.message().await;
             let end = !matches!(m, Ok(Some(_)));
@@ -425,7 +425,6 @@ async fn run_session(
         waiting.answered(r.verify_ms);
         expect.store(r.verdict.next_token as u64, Ordering::Release);
     }
-    drop(reader);
     Ok(())
 }
 
@@ -466,8 +465,8 @@ impl Waiting {
     }
 
     /// A forward while waiting pays where the trees have been taking longer to come than half
-    /// the latest verification took (a forward that a tree interrupts stops within a layer, so
-    /// a wrong guess costs a layer; the half keeps the node from starting forwards that mostly
+    /// the latest verification took (a forward that a tree interrupts stops within a layer, or
+    /// finishes where that is cheaper, so a wrong guess costs little; the half keeps the node from starting forwards that mostly
     /// stop where trees come right behind their verdicts, as near a draft node) and the session
     /// is alone on the node (a forward of its own would delay the others' batches).
     fn worth_decoding(&self, state: &VerifyState, session: &VerifySession) -> bool {
@@ -475,7 +474,7 @@ impl Waiting {
             return false;
         };
         state.config.decode_while_waiting
-            && !session.has_waiting_token()
+            && !session.has_root_ahead()
             && state.admission.active() == 1
             && self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms)
     }

@@ -258,8 +258,8 @@ impl VerifySession {
     /// Between a verdict and the next tree: forward the verdict's next token now (the root of
     /// the next tree), keeping the target's logits row at it, so that the time the next tree
     /// spends on its way is not lost (docs/ALGORITHMS.md §10, "The verify node decodes while
-    /// it waits"). The next tree then meets it in [`prepare_step`](Self::prepare_step), a
-    /// `decode` in [`take_waiting`](Self::take_waiting). Nothing is drawn or decided here, so
+    /// it waits"). The next tree (a `decode`'s root-only tree too) then meets it in
+    /// [`prepare_step`](Self::prepare_step). Nothing is drawn or decided here, so
     /// the verdicts are the ones the whole tree gets, greedy or sampled. False (nothing run)
     /// where there is nothing to do: no verdict yet, a root already forwarded, or fewer than
     /// two tokens left to commit.
@@ -320,40 +320,9 @@ impl VerifySession {
         Ok(true)
     }
 
-    /// Whether this session verifies greedily (temperature 0).
-    pub fn is_greedy(&self) -> bool {
-        self.params.is_greedy()
-    }
-
     /// Whether a root forwarded while waiting is held.
-    pub fn has_waiting_token(&self) -> bool {
+    pub fn has_root_ahead(&self) -> bool {
         self.root_ahead.is_some()
-    }
-
-    /// Step `step`'s verdict for a `decode` (a root-only tree) from the root forwarded while
-    /// waiting, if it is there and `root` is the token it forwarded: nothing accepted, the
-    /// target's token next (argmax, or drawn as a root-only tree's verification draws it). A
-    /// `root` it did not forward takes it back (the cache is as before it) and gives None.
-    pub fn take_waiting(&mut self, step: u64, root: u32) -> Option<StepResult> {
-        let followed = self.last_verdict.as_ref().map(|v| v.2);
-        if self.root_ahead.is_none() || step != self.next_step || followed != Some(root) {
-            self.drop_waiting();
-            return None;
-        }
-        let chain = Tree::chain(1);
-        let roots = [root];
-        let vocab = self.root_ahead.as_ref()?.logits.len();
-        let Ok(checked) = Step::new(&chain, &roots, &[], vocab, false) else {
-            self.drop_waiting();
-            return None;
-        };
-        let ahead = self.root_ahead.take()?;
-        let token =
-            match decide_with_logits(&checked, 0, &ahead.logits, &self.params, &mut self.rng) {
-                Decision::Next(token) => token,
-                Decision::Accept { .. } => unreachable!("a root-only tree has no child to accept"),
-            };
-        Some(self.answered_ahead(step, token, ahead.ms))
     }
 
     /// The verdict of a step that the root forwarded while waiting settled with no forward:
@@ -378,13 +347,12 @@ impl VerifySession {
         }
     }
 
-    /// Take back a root forwarded while waiting: it leaves the cache again.
-    fn drop_waiting(&mut self) {
-        if self.root_ahead.take().is_some() {
-            let len = self.cache.len() - 1;
-            self.cache.truncate(len);
-            self.tokens.truncate(len);
-        }
+    /// Take back a root forwarded while waiting (taken out of `root_ahead` by the caller): it
+    /// leaves the cache again.
+    fn take_back_root(&mut self) {
+        let len = self.cache.len() - 1;
+        self.cache.truncate(len);
+        self.tokens.truncate(len);
     }
 
     /// [`prepare`](Self::prepare), where the root may have been forwarded while waiting. If it
@@ -405,7 +373,7 @@ impl VerifySession {
         tokens: &[u32],
         dists: Vec<SparseDist>,
     ) -> Result<Prepared, SessionError> {
-        if self.root_ahead.is_none() {
+        let Some(ahead) = self.root_ahead.take() else {
             return self
                 .prepare(model, step, parents, tokens, dists)
                 .map(Prepared::Tree);
@@ -413,36 +381,26 @@ impl VerifySession {
         let whole = match self.prepare(model, step, parents, tokens, dists) {
             Ok(whole) => whole,
             Err(e) => {
-                self.drop_waiting();
+                self.take_back_root();
                 return Err(e);
             }
         };
         let root = whole.tokens[0];
         if self.last_verdict.as_ref().map(|v| v.2) != Some(root) {
-            // Another root than the token followed: the whole tree, as sent.
-            self.drop_waiting();
+            // Another root than the one forwarded: the whole tree, as sent.
+            self.take_back_root();
             return Ok(Prepared::Tree(whole));
         }
         // The rule's decision at the root, from the row forwarded while waiting: it draws what
         // the whole tree's verification would draw there, in the same order.
-        let Some(vocab) = self.root_ahead.as_ref().map(|a| a.logits.len()) else {
-            return Ok(Prepared::Tree(whole));
-        };
-        let checked = match Step::new(
-            &whole.tree,
-            &whole.tokens,
-            &whole.dists,
-            vocab,
-            !self.params.is_greedy(),
-        ) {
+        let sampled = !self.params.is_greedy();
+        let vocab = ahead.logits.len();
+        let checked = match Step::new(&whole.tree, &whole.tokens, &whole.dists, vocab, sampled) {
             Ok(checked) => checked,
             Err(e) => {
-                self.drop_waiting();
+                self.take_back_root();
                 return Err(SessionError::Invalid(format!("tree: {e}")));
             }
-        };
-        let Some(ahead) = self.root_ahead.take() else {
-            return Ok(Prepared::Tree(whole));
         };
         let (child, rank) =
             match decide_with_logits(&checked, 0, &ahead.logits, &self.params, &mut self.rng) {
