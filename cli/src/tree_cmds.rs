@@ -244,6 +244,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
         step_extra_ms: 0.0,
         sends_ahead: false,
         ahead_candidates: 0,
+        decodes_while_waiting: false,
         context: args.context,
         note: format!(
             "target {target_name}, draft {draft_name}, on {device}, threads {}",

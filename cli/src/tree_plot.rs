@@ -179,6 +179,7 @@ mod tests {
             step_extra_ms: 0.0,
             sends_ahead: false,
             ahead_candidates: 0,
+            decodes_while_waiting: false,
             context: 128,
             note: String::new(),
         };

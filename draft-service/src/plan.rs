@@ -9,7 +9,7 @@ use crate::config::{FallbackConfig, TreeConfig};
 use sequoia_core::limits;
 use sequoia_core::planner::cost::{
     choose_with_fallback, decode_tokens, tree_draft_ms, CostCurve, NetworkProfile, NodeCosts,
-    Prediction, Profile,
+    Prediction, Profile, LOADED_SESSIONS,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
 use sequoia_core::stats::{AcceptanceSpread, RankCounts};
@@ -360,9 +360,11 @@ impl Planner {
     }
 
     /// Profile a verify node: its t_v(n) over the sizes the search may use, RTT and bandwidth.
+    /// `decodes_while_waiting` as its `Info` says.
     pub async fn measure_node(
         &self,
         mut client: crate::nodes::VerifyClient,
+        decodes_while_waiting: bool,
     ) -> Result<NodeCosts, Status> {
         let sizes: Vec<u32> = profiling::DEFAULT_SIZES
             .iter()
@@ -409,6 +411,7 @@ impl Planner {
                 rtt_ms,
                 bytes_per_ms,
             },
+            decodes_while_waiting,
         })
     }
 
@@ -597,6 +600,8 @@ impl Planner {
             step_extra_ms: self.step_extra_ms(),
             sends_ahead: self.sends_ahead,
             ahead_candidates: self.ahead_candidates,
+            // The node decodes while waiting only for a session alone on it.
+            decodes_while_waiting: costs.decodes_while_waiting && load_sessions < LOADED_SESSIONS,
             context: self.cfg.profile_context,
             note: String::new(),
         };
@@ -709,6 +714,7 @@ mod tests {
                 rtt_ms: 0.5,
                 bytes_per_ms: 125_000.0,
             },
+            decodes_while_waiting: false,
         };
         (planner, costs)
     }
@@ -1123,6 +1129,7 @@ mod tests {
                 rtt_ms: 50.0,
                 bytes_per_ms: 125_000.0,
             },
+            decodes_while_waiting: false,
         };
         let plan = planner
             .plan(Some(&costs), true, &RankCounts::default(), None, 1.0, true)

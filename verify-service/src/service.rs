@@ -578,6 +578,7 @@ impl Verifier for VerifierService {
             batch_invariant: mi.batch_invariant,
             machine_id: sequoia_server::host::machine_id().unwrap_or_default(),
             cpus: sequoia_server::host::allowed_cpus(),
+            decodes_while_waiting: s.config.decode_while_waiting,
         }))
     }
 

@@ -1201,9 +1201,11 @@ async fn node_costs(
         .await
         .map_err(|e| Status::internal(format!("draft profiling task failed: {e}")))?
         .map_err(|e| Status::internal(format!("draft profiling failed: {e}")))?;
+    let connect = std::time::Duration::from_secs_f64(state.config.connect_timeout_secs);
+    let decodes_while_waiting = node.info(connect).await?.decodes_while_waiting;
     let costs = state
         .planner
-        .measure_node(node.client())
+        .measure_node(node.client(), decodes_while_waiting)
         .await
         .map_err(|s| unavailable(&node.addr, &s))?;
     tracing::info!(node = %node.addr, rtt_ms = costs.network.rtt_ms, verify_ms = ?costs.verify.ms, "profiled verify node");

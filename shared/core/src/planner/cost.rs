@@ -90,6 +90,8 @@ pub struct NetworkProfile {
 pub struct NodeCosts {
     pub verify: CostCurve,
     pub network: NetworkProfile,
+    /// The node decodes while a session waits for its tree ([`Profile::decodes_while_waiting`]).
+    pub decodes_while_waiting: bool,
 }
 
 /// Everything the planner needs to know about the hardware: saved, loaded and shown as JSON.
@@ -116,6 +118,12 @@ pub struct Profile {
     /// so a hit's tree costs [`ahead_draft_ms`]; 0 = priced as one tree drafted after a verdict.
     #[serde(default)]
     pub ahead_candidates: usize,
+    /// The verify node decodes a verdict's next token while it waits for the tree that starts
+    /// there (docs/ALGORITHMS.md §10, "Decoding while waiting"), so a tree drafted after its
+    /// verdict costs [`waited_verify_ms`] there, not a whole forward. Its own session only:
+    /// false where the node batches other sessions.
+    #[serde(default)]
+    pub decodes_while_waiting: bool,
     /// Context length the forwards were measured at.
     pub context: usize,
     /// Free-form description (models, machine).
@@ -175,6 +183,10 @@ pub struct Prediction {
     /// hits and misses.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hit_step_ms: Option<f64>,
+    /// The step when the tree is drafted only after the verdict before it (every step without
+    /// pipelining, a miss with it): the draft, the round trip and the verification the tree
+    /// costs on arrival ([`waited_verify_ms`]).
+    pub after_verdict_ms: f64,
 }
 
 /// Prior hit probability of pipelined drafting before a generation has verified a step.
@@ -255,6 +267,47 @@ fn hit_probability(hit: f64) -> f64 {
     }
 }
 
+/// The verification a tree costs when it reaches the verify node `gap_ms` after the verdict
+/// before it (`verify_ms` = t_v(n) of the whole tree), under acceptance `p`.
+///
+/// A node that decodes while waiting ([`Profile::decodes_while_waiting`]) forwards the
+/// verdict's next token, the tree's root, during the gap, when the gap is longer than half a
+/// verification (its rule for starting). On arrival the rule decides at the root from that
+/// forward: the root's child of rank `r` is accepted with probability `p[r]`, and only its
+/// subtree is forwarded; with no child accepted, no forward. A tree that comes before the
+/// root's forward ends waits for the rest of it, or has its own forward where that is cheaper
+/// (the node stops the root's forward then):
+///
+/// ```text
+/// t = min(t_v(n), max(t_v(1) − gap, 0) + Σ_r p[r] · t_v(|subtree(child r)|))
+/// ```
+pub fn waited_verify_ms(
+    profile: &Profile,
+    p: &[f64],
+    tree: &Tree,
+    gap_ms: f64,
+    verify_ms: f64,
+) -> f64 {
+    if !profile.decodes_while_waiting || !(gap_ms > 0.5 * verify_ms) {
+        return verify_ms;
+    }
+    // Subtree sizes: every node comes after its parent, so one backward pass sums them.
+    let mut size = vec![1usize; tree.len()];
+    for v in (1..tree.len()).rev() {
+        if let Some(u) = tree.parent(v) {
+            size[u] += size[v];
+        }
+    }
+    let below: f64 = tree
+        .children(0)
+        .iter()
+        .enumerate()
+        .map(|(r, &c)| p.get(r).copied().unwrap_or(0.0) * profile.verify.at(size[c as usize]))
+        .sum();
+    let rest_of_root = (profile.verify.at(1) - gap_ms).max(0.0);
+    (rest_of_root + below).min(verify_ms)
+}
+
 /// Draft time of growing `tree` from a root the draft has already run: one forward per level
 /// that has children, over that level's nodes (the last level is sampled, not forwarded).
 pub fn tree_draft_ms(draft: &CostCurve, tree: &Tree) -> f64 {
@@ -325,10 +378,13 @@ pub fn predict_pipelined(
     } else {
         hit_step_ms(ahead_ms, round_trip)
     };
+    // Drafted after its verdict, the tree reaches the node a draft and a network trip later.
+    let waited = waited_verify_ms(profile, p, tree, draft_ms + network_ms, verify_ms);
+    let after_verdict_ms = draft_ms + round_trip - verify_ms + waited;
     let step_ms = profile.step_extra_ms
         + match pipeline_hit {
-            Some(hit) => expected_step_ms(hit, hit_ms, round_trip + draft_ms),
-            None => draft_ms + round_trip,
+            Some(hit) => expected_step_ms(hit, hit_ms, after_verdict_ms),
+            None => after_verdict_ms,
         };
     Prediction {
         nodes: tree.len(),
@@ -343,6 +399,7 @@ pub fn predict_pipelined(
         parents: tree.parents().to_vec(),
         pipeline_hit,
         hit_step_ms: pipeline_hit.map(|_| profile.step_extra_ms + hit_ms),
+        after_verdict_ms: profile.step_extra_ms + after_verdict_ms,
     }
 }
 
@@ -465,8 +522,9 @@ fn best_by_size(
 /// (hit · g(H) + (1 − hit) · g(M)) / (hit · t_hit(H) + (1 − hit) · t_miss(M))
 /// ```
 ///
-/// with `t_hit(H)` the longer of H's draft and its round trip and `t_miss(M)` M's draft plus
-/// round trip. Returns H's prediction with that expected step time, tokens and speedup, and
+/// with `t_hit(H)` the longer of H's draft and its round trip and `t_miss(M)` M's step after
+/// its verdict ([`Prediction::after_verdict_ms`]: its draft, the round trip, and on a node that
+/// decodes while waiting only what M costs on arrival). Returns H's prediction with that expected step time, tokens and speedup, and
 /// M's own; None when the hit tree would be the root alone. Taking M = H recovers the plan
 /// without a separate miss tree, so the result is never predicted slower than it.
 fn with_miss_tree(
@@ -481,7 +539,7 @@ fn with_miss_tree(
     for h in pipelined.iter().filter(|h| h.nodes > 1) {
         let t_hit = h.hit_step_ms?;
         // H itself after a miss: drafted after the verdict, nothing overlapped.
-        let step_ms = h.draft_ms + h.network_ms + h.verify_ms + h.overhead_ms;
+        let step_ms = h.after_verdict_ms;
         let same = Prediction {
             step_ms,
             speedup: h.expected_tokens * t1 / step_ms,
@@ -559,6 +617,7 @@ pub fn predict_decode(profile: &Profile, k: usize) -> Prediction {
         parents: vec![-1],
         pipeline_hit: None,
         hit_step_ms: None,
+        after_verdict_ms: step_ms,
     }
 }
 
@@ -700,6 +759,7 @@ mod tests {
             step_extra_ms: 0.0,
             sends_ahead: false,
             ahead_candidates: 0,
+            decodes_while_waiting: false,
             context: 256,
             note: String::new(),
         }
@@ -993,5 +1053,86 @@ mod tests {
         let json = serde_json::to_string(&profile(|n| n, 1.0, 0.0)).unwrap();
         let back: Profile = serde_json::from_str(&json).unwrap();
         back.validate().unwrap();
+    }
+
+    /// A tree that comes well after its verdict costs, on a node that decodes while waiting,
+    /// the subtree of the root's accepted child weighted by the acceptance of its rank (nothing
+    /// when none is accepted); one that comes before the root's forward ends adds the rest of
+    /// that forward, and never costs more than its own forward.
+    #[test]
+    fn a_tree_that_comes_late_costs_the_subtree_of_the_accepted_child() {
+        // Root 0; children 1 (rank 0, with child 3) and 2 (rank 1): subtrees of 2 and 1 nodes.
+        let tree = Tree::from_parents(&[-1, 0, 0, 1]).unwrap();
+        let p = [0.6, 0.2];
+        let mut prof = profile(|n| 40.0 + 10.0 * n, 1.0, 0.0);
+        let (t1, t2, t4) = (prof.verify.at(1), prof.verify.at(2), prof.verify.at(4));
+        // Off: the whole tree, however late it comes.
+        assert_eq!(waited_verify_ms(&prof, &p, &tree, 500.0, t4), t4);
+        prof.decodes_while_waiting = true;
+        let below = 0.6 * t2 + 0.2 * t1;
+        assert!((waited_verify_ms(&prof, &p, &tree, 500.0, t4) - below).abs() < 1e-9);
+        // Arriving 20 ms into the root's 50 ms forward: the other 30 first.
+        let early = waited_verify_ms(&prof, &p, &tree, 20.0 + 0.5 * t4, t4);
+        assert!((early - (t1 - 20.0 - 0.5 * t4).max(0.0) - below).abs() < 1e-9);
+        // A gap under half the tree's forward: the node does not start one.
+        assert_eq!(waited_verify_ms(&prof, &p, &tree, 0.4 * t4, t4), t4);
+        // Certain acceptance of a deep child is never priced above the whole tree.
+        let chain = Tree::chain(4);
+        let sure = waited_verify_ms(&prof, &[1.0], &chain, 0.6 * t4, t4);
+        assert!(sure <= t4 && sure > prof.verify.at(3) - 1e-9, "{sure}");
+    }
+
+    /// Steps drafted after their verdict get cheaper on a node that decodes while waiting, at
+    /// an RTT long enough for the root's forward to fit in the wait, and nowhere else: the
+    /// same tree without pipelining, and the miss side of a pipelined plan.
+    #[test]
+    fn decoding_while_waiting_shortens_the_steps_drafted_after_a_verdict() {
+        let p = EXAMPLE_ACCEPTANCE;
+        let tree = SequoiaDp::solve(&p, 8, 4).unwrap().tree(8, 4);
+        let mut prof = profile(|n| 80.0 * (0.9 + 0.1 * n), 20.0, 50.0);
+        let off = predict(&prof, &p, &tree, 0);
+        prof.decodes_while_waiting = true;
+        let on = predict(&prof, &p, &tree, 0);
+        assert!(
+            on.step_ms < off.step_ms - 10.0,
+            "{} vs {}",
+            on.step_ms,
+            off.step_ms
+        );
+        assert_eq!(on.step_ms, on.after_verdict_ms);
+        assert_eq!(on.expected_tokens, off.expected_tokens);
+        let hit = Some(0.5);
+        let (off_p, on_p) = (
+            predict_pipelined(
+                &Profile {
+                    decodes_while_waiting: false,
+                    ..prof.clone()
+                },
+                &p,
+                &tree,
+                0,
+                hit,
+            ),
+            predict_pipelined(&prof, &p, &tree, 0, hit),
+        );
+        assert_eq!(off_p.hit_step_ms, on_p.hit_step_ms);
+        assert!(on_p.after_verdict_ms < off_p.after_verdict_ms && on_p.step_ms < off_p.step_ms);
+        // Near the node (RTT 0, a fast draft) the tree comes before half a verification: no change.
+        let near = Profile {
+            network: NetworkProfile {
+                rtt_ms: 0.0,
+                bytes_per_ms: 125_000.0,
+            },
+            draft: profile(|n| n, 0.5, 0.0).draft,
+            ..prof.clone()
+        };
+        let near_off = Profile {
+            decodes_while_waiting: false,
+            ..near.clone()
+        };
+        assert_eq!(
+            predict(&near, &p, &tree, 0).step_ms,
+            predict(&near_off, &p, &tree, 0).step_ms
+        );
     }
 }
