@@ -119,7 +119,7 @@ pub struct Profile {
     #[serde(default)]
     pub ahead_candidates: usize,
     /// The verify node decodes a verdict's next token while it waits for the tree that starts
-    /// there (docs/ALGORITHMS.md §10, "Decoding while waiting"), so a tree drafted after its
+    /// there (docs/ALGORITHMS.md §10, "The verify node decodes while it waits"), so a tree drafted after its
     /// verdict costs [`waited_verify_ms`] there, not a whole forward. Its own session only:
     /// false where the node batches other sessions.
     #[serde(default)]
@@ -524,9 +524,10 @@ fn best_by_size(
 ///
 /// with `t_hit(H)` the longer of H's draft and its round trip and `t_miss(M)` M's step after
 /// its verdict ([`Prediction::after_verdict_ms`]: its draft, the round trip, and on a node that
-/// decodes while waiting only what M costs on arrival). Returns H's prediction with that expected step time, tokens and speedup, and
-/// M's own; None when the hit tree would be the root alone. Taking M = H recovers the plan
-/// without a separate miss tree, so the result is never predicted slower than it.
+/// decodes while waiting only what M costs on arrival). Returns H's prediction with that
+/// expected step time, tokens and speedup, and M's own; None when the hit tree would be the
+/// root alone. Taking M = H recovers the plan without a separate miss tree, so the result is
+/// never predicted slower than it.
 fn with_miss_tree(
     profile: &Profile,
     hit: f64,
