@@ -1202,4 +1202,27 @@ mod tests {
                 .contains("tree.drift_relax"));
         }
     }
+
+    /// A node that decodes while waiting makes the trees drafted after their verdict cheaper
+    /// in the plan (40 ms away, a draft a fifth of the target), for a session alone on it; a
+    /// node batching others does not, and the plan is priced as before.
+    #[test]
+    fn a_node_that_decodes_while_waiting_lowers_the_price_of_a_step_for_a_lone_session() {
+        let verify = CostCurve::new(vec![1, 4, 8, 16], vec![80.0, 95.0, 120.0, 200.0]).unwrap();
+        let (planner, mut costs) = auto_planner([16.0, 30.0], verify);
+        costs.network.rtt_ms = 40.0;
+        let step = |costs: &NodeCosts, load: f64| {
+            let plan = planner
+                .plan(Some(costs), true, &RankCounts::default(), None, load, true)
+                .unwrap();
+            assert!(plan.full_size() > 1, "trees pay here");
+            let p = plan.prediction.unwrap();
+            p.step_ms / p.expected_tokens
+        };
+        let (off_alone, off_loaded) = (step(&costs, 1.0), step(&costs, 4.0));
+        costs.decodes_while_waiting = true;
+        let (on_alone, on_loaded) = (step(&costs, 1.0), step(&costs, 4.0));
+        assert!(on_alone < 0.9 * off_alone, "{on_alone} vs {off_alone}");
+        assert_eq!(on_loaded, off_loaded);
+    }
 }

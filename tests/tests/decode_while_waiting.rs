@@ -217,3 +217,23 @@ fn a_sampled_session_that_decoded_while_waiting_gives_the_verdicts_of_one_that_d
         "every kind of verdict must occur (2, 1, 0 accepted: {kinds:?})"
     );
 }
+
+/// A verify node says in `Info` whether it decodes while waiting, as configured: the draft's
+/// planner prices the trees it drafts after a verdict by it (docs/ALGORITHMS.md §10).
+#[test]
+fn the_node_says_whether_it_decodes_while_waiting() {
+    use sequoia_proto::v1::verifier_client::VerifierClient;
+    use sequoia_proto::v1::InfoRequest;
+    let pair = TinyPair::new();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for on in [true, false] {
+        let mut config = verify_config(&pair.target);
+        config.decode_while_waiting = on;
+        let node = start_verify(config);
+        let said = rt.block_on(async {
+            let mut c = VerifierClient::connect(node.url()).await.unwrap();
+            c.info(InfoRequest {}).await.unwrap().into_inner()
+        });
+        assert_eq!(said.decodes_while_waiting, on);
+    }
+}
