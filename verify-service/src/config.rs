@@ -69,6 +69,7 @@ pub struct VerifyConfig {
     /// stops that forward within a layer) (docs/ALGORITHMS.md §10, "The verify node
     /// decodes while it waits"): a tree without that token is answered without a forward, one
     /// with it by forwarding only the subtree below it. Exact either way, greedy or sampled.
+    /// `Info` reports it (`decodes_while_waiting`), so that draft nodes price their trees by it.
     pub decode_while_waiting: bool,
     /// Continuous batching of every session's trees and prefill chunks.
     pub batch: crate::batch::BatchConfig,
