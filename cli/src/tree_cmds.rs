@@ -166,6 +166,11 @@ pub struct ProfileArgs {
     /// Bandwidth to assume, Mbit/s.
     #[arg(long, default_value_t = 10_000.0)]
     pub bandwidth_mbps: f64,
+    /// Price trees drafted after their verdict as a verify node that decodes while waiting
+    /// serves them (the verify-service default, `decode_while_waiting`; docs/ALGORITHMS.md
+    /// §10). Off: every tree at its whole forward.
+    #[arg(long)]
+    pub decodes_while_waiting: bool,
     #[arg(long)]
     pub threads: Option<usize>,
     /// Tokens the draft's LM head scores (draft-service's `draft_vocab`; 0 = all).
@@ -244,7 +249,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
         step_extra_ms: 0.0,
         sends_ahead: false,
         ahead_candidates: 0,
-        decodes_while_waiting: false,
+        decodes_while_waiting: args.decodes_while_waiting,
         context: args.context,
         note: format!(
             "target {target_name}, draft {draft_name}, on {device}, threads {}",
@@ -287,9 +292,20 @@ pub fn plan_with_profile(args: &PlanArgs, path: &std::path::Path) -> Result<()> 
     } else {
         println!("no tree pays for itself here: plain decoding (root only)");
     }
+    // On a node that decodes while waiting the tree costs less than its forward on arrival
+    // (docs/ALGORITHMS.md §10): the step's verify share is what is left of it.
+    let verify = b.step_ms - b.draft_ms - b.network_ms - b.overhead_ms;
+    let verify = if verify < b.verify_ms - 0.05 {
+        format!(
+            "{verify:.1} (decoding while waiting; its whole forward {:.1})",
+            b.verify_ms
+        )
+    } else {
+        format!("{:.1}", b.verify_ms)
+    };
     println!(
-        "predicted tokens/step {:.3}; step {:.1} ms = draft {:.1} + network {:.1} + verify {:.1} + overhead {:.1}; speedup {:.2}x over target-only (t_v(1) = {:.1} ms)",
-        b.expected_tokens, b.step_ms, b.draft_ms, b.network_ms, b.verify_ms, b.overhead_ms, b.speedup, profile.verify.at(1)
+        "predicted tokens/step {:.3}; step {:.1} ms = draft {:.1} + network {:.1} + verify {verify} + overhead {:.1}; speedup {:.2}x over target-only (t_v(1) = {:.1} ms)",
+        b.expected_tokens, b.step_ms, b.draft_ms.max(0.0), b.network_ms, b.overhead_ms, b.speedup, profile.verify.at(1)
     );
     let mut ranked: Vec<_> = plan.by_size.iter().collect();
     ranked.sort_by(|a, c| c.speedup.total_cmp(&a.speedup));

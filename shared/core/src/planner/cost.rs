@@ -281,6 +281,11 @@ fn hit_probability(hit: f64) -> f64 {
 /// ```text
 /// t = min(t_v(n), max(t_v(1) − gap, 0) + Σ_r p[r] · t_v(|subtree(child r)|))
 /// ```
+///
+/// The root alone keeps its whole forward: a node that decodes while waiting also takes the
+/// decode fallback, which serves plain decoding instead of root-only trees, so the root prices
+/// only the alternative trees are weighed against ([`choose_with_fallback`] puts the fallback
+/// in its place).
 pub fn waited_verify_ms(
     profile: &Profile,
     p: &[f64],
@@ -288,7 +293,7 @@ pub fn waited_verify_ms(
     gap_ms: f64,
     verify_ms: f64,
 ) -> f64 {
-    if !profile.decodes_while_waiting || !(gap_ms > 0.5 * verify_ms) {
+    if !profile.decodes_while_waiting || tree.len() < 2 || !(gap_ms > 0.5 * verify_ms) {
         return verify_ms;
     }
     // Subtree sizes: every node comes after its parent, so one backward pass sums them.
@@ -1077,6 +1082,9 @@ mod tests {
         assert!((early - (t1 - 20.0 - 0.5 * t4).max(0.0) - below).abs() < 1e-9);
         // A gap under half the tree's forward: the node does not start one.
         assert_eq!(waited_verify_ms(&prof, &p, &tree, 0.4 * t4, t4), t4);
+        // The root alone is priced as sent (the fallback decodes in its place).
+        let root = Tree::chain(1);
+        assert_eq!(waited_verify_ms(&prof, &p, &root, 500.0, t1), t1);
         // Certain acceptance of a deep child is never priced above the whole tree.
         let chain = Tree::chain(4);
         let sure = waited_verify_ms(&prof, &[1.0], &chain, 0.6 * t4, t4);
