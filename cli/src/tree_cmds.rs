@@ -293,12 +293,11 @@ pub fn plan_with_profile(args: &PlanArgs, path: &std::path::Path) -> Result<()> 
         println!("no tree pays for itself here: plain decoding (root only)");
     }
     // On a node that decodes while waiting the tree costs less than its forward on arrival
-    // (docs/ALGORITHMS.md §10): the step's verify share is what is left of it.
-    let verify = b.step_ms - b.draft_ms - b.network_ms - b.overhead_ms;
-    let verify = if verify < b.verify_ms - 0.05 {
+    // (docs/ALGORITHMS.md §10).
+    let verify = if b.arrival_verify_ms < b.verify_ms {
         format!(
-            "{verify:.1} (decoding while waiting; its whole forward {:.1})",
-            b.verify_ms
+            "{:.1} (decoding while waiting; its whole forward {:.1})",
+            b.arrival_verify_ms, b.verify_ms
         )
     } else {
         format!("{:.1}", b.verify_ms)

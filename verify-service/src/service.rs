@@ -466,9 +466,10 @@ impl Waiting {
 
     /// A forward while waiting pays where the trees have been taking longer to come than half
     /// the latest verification took (a forward that a tree interrupts stops within a layer, or
-    /// finishes where that is cheaper, so a wrong guess costs little; the half keeps the node from starting forwards that mostly
-    /// stop where trees come right behind their verdicts, as near a draft node) and the session
-    /// is alone on the node (a forward of its own would delay the others' batches).
+    /// finishes where that is cheaper, so a wrong guess costs little; the half keeps the node
+    /// from starting forwards that mostly stop where trees come right behind their verdicts, as
+    /// near a draft node) and the session is alone on the node (a forward of its own would
+    /// delay the others' batches).
     fn worth_decoding(&self, state: &VerifyState, session: &VerifySession) -> bool {
         let Some((_, verify_ms)) = self.answered else {
             return false;

@@ -183,10 +183,11 @@ pub struct Prediction {
     /// hits and misses.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hit_step_ms: Option<f64>,
-    /// The step when the tree is drafted only after the verdict before it (every step without
-    /// pipelining, a miss with it): the draft, the round trip and the verification the tree
-    /// costs on arrival ([`waited_verify_ms`]).
-    pub after_verdict_ms: f64,
+    /// The verification the tree costs when it is drafted only after the verdict before it
+    /// (every step without pipelining, a miss with it): `verify_ms`, or less on a node that
+    /// decodes while waiting ([`waited_verify_ms`]). Such a step costs `draft_ms + network_ms +
+    /// arrival_verify_ms + overhead_ms`.
+    pub arrival_verify_ms: f64,
 }
 
 /// Prior hit probability of pipelined drafting before a generation has verified a step.
@@ -282,10 +283,6 @@ fn hit_probability(hit: f64) -> f64 {
 /// t = min(t_v(n), max(t_v(1) − gap, 0) + Σ_r p[r] · t_v(|subtree(child r)|))
 /// ```
 ///
-/// The root alone keeps its whole forward: a node that decodes while waiting also takes the
-/// decode fallback, which serves plain decoding instead of root-only trees, so the root prices
-/// only the alternative trees are weighed against ([`choose_with_fallback`] puts the fallback
-/// in its place).
 pub fn waited_verify_ms(
     profile: &Profile,
     p: &[f64],
@@ -293,7 +290,7 @@ pub fn waited_verify_ms(
     gap_ms: f64,
     verify_ms: f64,
 ) -> f64 {
-    if !profile.decodes_while_waiting || tree.len() < 2 || !(gap_ms > 0.5 * verify_ms) {
+    if !profile.decodes_while_waiting || !(gap_ms > 0.5 * verify_ms) {
         return verify_ms;
     }
     // Subtree sizes: every node comes after its parent, so one backward pass sums them.
@@ -384,8 +381,8 @@ pub fn predict_pipelined(
         hit_step_ms(ahead_ms, round_trip)
     };
     // Drafted after its verdict, the tree reaches the node a draft and a network trip later.
-    let waited = waited_verify_ms(profile, p, tree, draft_ms + network_ms, verify_ms);
-    let after_verdict_ms = draft_ms + round_trip - verify_ms + waited;
+    let arrival_verify_ms = waited_verify_ms(profile, p, tree, draft_ms + network_ms, verify_ms);
+    let after_verdict_ms = draft_ms + network_ms + arrival_verify_ms + profile.overhead_ms;
     let step_ms = profile.step_extra_ms
         + match pipeline_hit {
             Some(hit) => expected_step_ms(hit, hit_ms, after_verdict_ms),
@@ -404,7 +401,7 @@ pub fn predict_pipelined(
         parents: tree.parents().to_vec(),
         pipeline_hit,
         hit_step_ms: pipeline_hit.map(|_| profile.step_extra_ms + hit_ms),
-        after_verdict_ms: profile.step_extra_ms + after_verdict_ms,
+        arrival_verify_ms,
     }
 }
 
@@ -446,11 +443,33 @@ pub fn choose_pipelined(
     q_entries: usize,
     pipeline_hit: Option<f64>,
 ) -> Result<AutoPlan, PlanError> {
+    choose_over(
+        profile,
+        p,
+        max_nodes,
+        max_levels,
+        q_entries,
+        pipeline_hit,
+        None,
+    )
+}
+
+/// [`choose_pipelined`], with `plain` (the decode fallback) in the root alone's place when it
+/// is Some: the trees are weighed against how plain decoding will actually be served.
+fn choose_over(
+    profile: &Profile,
+    p: &[f64],
+    max_nodes: usize,
+    max_levels: usize,
+    q_entries: usize,
+    pipeline_hit: Option<f64>,
+    plain: Option<Prediction>,
+) -> Result<AutoPlan, PlanError> {
     validate_acceptance(p)?;
     let max_nodes = max_nodes.clamp(1, crate::limits::MAX_PLANNED_NODES);
     let max_levels = max_levels.clamp(1, crate::limits::MAX_TREE_LEVELS);
     let dp = SequoiaDp::solve(p, max_nodes, max_levels)?;
-    let by_size = best_by_size(
+    let mut by_size = best_by_size(
         profile,
         p,
         &dp,
@@ -459,6 +478,9 @@ pub fn choose_pipelined(
         q_entries,
         pipeline_hit,
     );
+    if let (Some(plain), Some(root)) = (plain, by_size.iter_mut().find(|b| b.nodes == 1)) {
+        *root = plain;
+    }
     let mut best = by_size
         .iter()
         .max_by(|a, b| a.speedup.total_cmp(&b.speedup))
@@ -528,8 +550,8 @@ fn best_by_size(
 /// ```
 ///
 /// with `t_hit(H)` the longer of H's draft and its round trip and `t_miss(M)` M's step after
-/// its verdict ([`Prediction::after_verdict_ms`]: its draft, the round trip, and on a node that
-/// decodes while waiting only what M costs on arrival). Returns H's prediction with that
+/// its verdict (its draft, the network, [`Prediction::arrival_verify_ms`] and the overhead: on a
+/// node that decodes while waiting only what M costs on arrival). Returns H's prediction with that
 /// expected step time, tokens and speedup, and M's own; None when the hit tree would be the
 /// root alone. Taking M = H recovers the plan without a separate miss tree, so the result is
 /// never predicted slower than it.
@@ -545,7 +567,7 @@ fn with_miss_tree(
     for h in pipelined.iter().filter(|h| h.nodes > 1) {
         let t_hit = h.hit_step_ms?;
         // H itself after a miss: drafted after the verdict, nothing overlapped.
-        let step_ms = h.after_verdict_ms;
+        let step_ms = h.draft_ms + h.network_ms + h.arrival_verify_ms + h.overhead_ms;
         let same = Prediction {
             step_ms,
             speedup: h.expected_tokens * t1 / step_ms,
@@ -623,7 +645,7 @@ pub fn predict_decode(profile: &Profile, k: usize) -> Prediction {
         parents: vec![-1],
         pipeline_hit: None,
         hit_step_ms: None,
-        after_verdict_ms: step_ms,
+        arrival_verify_ms: verify_ms,
     }
 }
 
@@ -679,14 +701,19 @@ pub fn choose_with_fallback(
     pipeline_hit: Option<f64>,
     decode: Option<usize>,
 ) -> Result<AutoPlan, PlanError> {
-    let mut plan = choose_pipelined(profile, p, max_nodes, max_levels, q_entries, pipeline_hit)?;
-    let Some(k) = decode else {
+    let fallback = decode.map(|k| predict_decode(profile, k));
+    let mut plan = choose_over(
+        profile,
+        p,
+        max_nodes,
+        max_levels,
+        q_entries,
+        pipeline_hit,
+        fallback.clone(),
+    )?;
+    let Some(fallback) = fallback else {
         return Ok(plan);
     };
-    let fallback = predict_decode(profile, k);
-    if let Some(root) = plan.by_size.iter_mut().find(|b| b.nodes == 1) {
-        *root = fallback.clone();
-    }
     if plan.best.nodes == 1 || fallback.speedup >= plan.best.speedup {
         plan.best = fallback;
         plan.speculate = false;
@@ -1082,9 +1109,6 @@ mod tests {
         assert!((early - (t1 - 20.0 - 0.5 * t4).max(0.0) - below).abs() < 1e-9);
         // A gap under half the tree's forward: the node does not start one.
         assert_eq!(waited_verify_ms(&prof, &p, &tree, 0.4 * t4, t4), t4);
-        // The root alone is priced as sent (the fallback decodes in its place).
-        let root = Tree::chain(1);
-        assert_eq!(waited_verify_ms(&prof, &p, &root, 500.0, t1), t1);
         // Certain acceptance of a deep child is never priced above the whole tree.
         let chain = Tree::chain(4);
         let sure = waited_verify_ms(&prof, &[1.0], &chain, 0.6 * t4, t4);
@@ -1108,7 +1132,8 @@ mod tests {
             on.step_ms,
             off.step_ms
         );
-        assert_eq!(on.step_ms, on.after_verdict_ms);
+        let after_verdict = on.draft_ms + on.network_ms + on.arrival_verify_ms + on.overhead_ms;
+        assert!((on.step_ms - after_verdict).abs() < 1e-9);
         assert_eq!(on.expected_tokens, off.expected_tokens);
         let hit = Some(0.5);
         let (off_p, on_p) = (
@@ -1125,7 +1150,7 @@ mod tests {
             predict_pipelined(&prof, &p, &tree, 0, hit),
         );
         assert_eq!(off_p.hit_step_ms, on_p.hit_step_ms);
-        assert!(on_p.after_verdict_ms < off_p.after_verdict_ms && on_p.step_ms < off_p.step_ms);
+        assert!(on_p.arrival_verify_ms < off_p.arrival_verify_ms && on_p.step_ms < off_p.step_ms);
         // Near the node (RTT 0, a fast draft) the tree comes before half a verification: no change.
         let near = Profile {
             network: NetworkProfile {
@@ -1142,6 +1167,34 @@ mod tests {
         assert_eq!(
             predict(&near, &p, &tree, 0).step_ms,
             predict(&near_off, &p, &tree, 0).step_ms
+        );
+    }
+
+    /// On a node that decodes while waiting, root-only trees 50 ms away cost about one forward
+    /// each and beat every tree; but that node serves plain decoding by the decode fallback,
+    /// so the trees are weighed against the fallback, and one that beats it is chosen.
+    #[test]
+    fn trees_are_weighed_against_the_fallback_not_a_waiting_node_root() {
+        let p = EXAMPLE_ACCEPTANCE;
+        let mut prof = profile(|n| 70.0 + 9.0 * n, 30.0, 50.0);
+        prof.decodes_while_waiting = true;
+        let alone = choose(&prof, &p, 16, 6, 0).unwrap();
+        let tree = alone.by_size.iter().filter(|b| b.nodes > 1);
+        let tree = tree.max_by(|a, b| a.speedup.total_cmp(&b.speedup)).unwrap();
+        let k = 4;
+        let fallback = predict_decode(&prof, k);
+        assert!(
+            alone.best.nodes == 1 && tree.speedup > fallback.speedup,
+            "the case: root {} > tree {} > fallback {}",
+            alone.best.speedup,
+            tree.speedup,
+            fallback.speedup
+        );
+        let plan = choose_with_fallback(&prof, &p, 16, 6, 0, None, Some(k)).unwrap();
+        assert!(
+            plan.speculate && plan.best.nodes == tree.nodes,
+            "{:?}",
+            plan.best
         );
     }
 }
