@@ -40,6 +40,26 @@ const SPIN: Duration = Duration::from_micros(500);
 /// Run `f(i)` for every `i` in `0..n`, in parallel on the engine's threads, and return when
 /// all have run. A panic in `f` is raised again here once every thread has stopped.
 pub(crate) fn for_each<F: Fn(usize) + Sync>(n: usize, f: F) {
+    let route = match pool() {
+        Some(pool) => Route::Pool(pool),
+        None if single_threaded() => Route::Caller,
+        None => Route::Rayon,
+    };
+    for_each_on(route, n, f)
+}
+
+/// Where a loop runs.
+#[derive(Clone, Copy)]
+enum Route<'a> {
+    /// The pool, if idle; else rayon.
+    Pool(&'a Pool),
+    /// The calling thread, in order.
+    Caller,
+    /// Rayon's global pool.
+    Rayon,
+}
+
+fn for_each_on<F: Fn(usize) + Sync>(route: Route<'_>, n: usize, f: F) {
     if n == 0 {
         return;
     }
@@ -47,13 +67,13 @@ pub(crate) fn for_each<F: Fn(usize) + Sync>(n: usize, f: F) {
         f(0);
         return;
     }
-    match pool() {
-        Some(pool) if n <= u32::MAX as usize && pool.try_run(n, &f) => {}
+    match route {
+        Route::Pool(pool) if n <= u32::MAX as usize && pool.try_run(n, &f) => {}
         // One thread: the loop runs right here. Through rayon, a caller outside its pool hands
         // every loop to the one worker and sleeps until it is done, two context switches per
         // loop and some 300 per forward: 8 % of a one-thread forward in the scheduler (`perf`,
         // Zen 3, 1.5B at 2 and 4 rows), on the one core each host of the two-host setup has.
-        None if single_threaded() => (0..n).for_each(f),
+        Route::Caller => (0..n).for_each(f),
         _ => (0..n).into_par_iter().for_each(&f),
     }
 }
@@ -369,6 +389,29 @@ mod tests {
             }
         });
         assert_eq!(total.load(Ordering::Relaxed), 4 * 50 * 8 * 4);
+    }
+
+    #[test]
+    fn with_one_thread_loops_run_on_the_caller_in_order() {
+        let caller = std::thread::current().id();
+        let seen = Mutex::new(Vec::new());
+        for_each_on(Route::Caller, 100, |i| {
+            seen.lock().unwrap().push((i, std::thread::current().id()));
+        });
+        let seen = seen.into_inner().unwrap();
+        assert_eq!(seen.len(), 100);
+        for (k, (i, id)) in seen.iter().enumerate() {
+            assert_eq!((*i, *id), (k, caller), "task {k}");
+        }
+        // A nested loop in a task runs there too.
+        let total = AtomicUsize::new(0);
+        for_each_on(Route::Caller, 8, |_| {
+            for_each_on(Route::Caller, 4, |_| {
+                assert_eq!(std::thread::current().id(), caller);
+                total.fetch_add(1, Ordering::Relaxed);
+            });
+        });
+        assert_eq!(total.load(Ordering::Relaxed), 32);
     }
 
     #[test]
