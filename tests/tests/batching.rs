@@ -129,6 +129,7 @@ async fn play(url: String, plan: Plan) -> Result<Vec<(Vec<u32>, u32)>, tonic::St
             seed: plan.seed,
             max_new_tokens: 64,
             protocol_version: limits::PROTOCOL_VERSION,
+            ..Default::default()
         })),
     })
     .await

@@ -82,6 +82,7 @@ async fn open(
             seed,
             max_new_tokens: 64,
             protocol_version: limits::PROTOCOL_VERSION,
+            ..Default::default()
         })),
     })
     .await

@@ -231,6 +231,7 @@ fn open_msg(prefix: Vec<u32>, temperature: f32) -> SessionRequest {
             seed: 7,
             max_new_tokens: 16,
             protocol_version: sequoia_core::limits::PROTOCOL_VERSION,
+            ..Default::default()
         })),
     }
 }

@@ -668,6 +668,9 @@ async fn replay_session(
             seed: 0,
             max_new_tokens: cont.len() as u32 + 1,
             protocol_version: sequoia_core::limits::PROTOCOL_VERSION,
+            // Its sessions are there to load the node; whether it decodes while they wait
+            // is the node's business.
+            draft_shares_cpus: false,
         })),
     })
     .await?;

@@ -92,6 +92,8 @@ impl VerifyLink {
             seed,
             max_new_tokens: u32::try_from(max_new_tokens).unwrap_or(u32::MAX),
             protocol_version: PROTOCOL_VERSION,
+            // Set per node by `open_anywhere`.
+            draft_shares_cpus: false,
         };
         let link = open_anywhere(state, &open, &mut Vec::new(), first).await?;
         let context_limit = link.opened.context_limit as usize;
@@ -263,6 +265,7 @@ impl VerifyLink {
             seed: moved_seed(self.seed, self.failovers),
             max_new_tokens: u32::try_from(remaining).unwrap_or(u32::MAX),
             protocol_version: PROTOCOL_VERSION,
+            draft_shares_cpus: false,
         };
         self.link = open_anywhere(state, &moved, &mut vec![lost.clone()], None)
             .await
@@ -571,6 +574,7 @@ async fn open_anywhere(
         // more than it knows.
         let mut open = open.clone();
         open.protocol_version = version;
+        open.draft_shares_cpus = node.shares_cpus().await;
         // Each node tried gets the first tree anew: a session that failed took it down with it.
         match Link::open(reservation, open, timeout, first.clone()).await {
             Ok(link) => return Ok(link),

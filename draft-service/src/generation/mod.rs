@@ -1202,7 +1202,10 @@ async fn node_costs(
         .map_err(|e| Status::internal(format!("draft profiling task failed: {e}")))?
         .map_err(|e| Status::internal(format!("draft profiling failed: {e}")))?;
     let connect = std::time::Duration::from_secs_f64(state.config.connect_timeout_secs);
-    let decodes_while_waiting = node.info(connect).await?.decodes_while_waiting;
+    // A node on this node's CPUs does not decode while our sessions wait (they tell it so at
+    // `open`: `draft_shares_cpus`), so its trees are priced without that.
+    let decodes_while_waiting =
+        node.info(connect).await?.decodes_while_waiting && !node.shares_cpus().await;
     let costs = state
         .planner
         .measure_node(node.client(), decodes_while_waiting)
