@@ -478,14 +478,50 @@ impl Waiting {
     /// near a draft node) and the session is alone on the node (a forward of its own would
     /// delay the others' batches).
     fn worth_decoding(&self, state: &VerifyState, session: &VerifySession) -> bool {
+        self.wants_forward(
+            state.config.decode_while_waiting,
+            state.admission.active() == 1 && !session.has_root_ahead(),
+        )
+    }
+
+    /// [`worth_decoding`](Self::worth_decoding) on the node's setting and whether the session
+    /// is alone with no forward of its own done already.
+    fn wants_forward(&self, enabled: bool, alone_without_root: bool) -> bool {
         let Some((_, verify_ms)) = self.answered else {
             return false;
         };
-        state.config.decode_while_waiting
+        enabled
             && !self.draft_shares_cpus
-            && !session.has_root_ahead()
-            && state.admission.active() == 1
+            && alone_without_root
             && self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms)
+    }
+}
+
+#[cfg(test)]
+mod waiting_tests {
+    use super::*;
+
+    /// A session whose trees come late gets a forward in the wait, unless its draft node
+    /// shares this node's CPUs, the node's setting is off, or it is not alone.
+    #[test]
+    fn a_draft_on_the_nodes_cpus_gets_no_forward_in_the_wait() {
+        let late = |shares: bool| {
+            let mut w = Waiting {
+                draft_shares_cpus: shares,
+                ..Waiting::default()
+            };
+            w.answered(100.0);
+            w.wait_ms = Some(80.0);
+            w
+        };
+        assert!(late(false).wants_forward(true, true));
+        assert!(!late(true).wants_forward(true, true));
+        assert!(!late(false).wants_forward(false, true));
+        assert!(!late(false).wants_forward(true, false));
+        // Trees that come right behind their verdicts get none either.
+        let mut prompt = late(false);
+        prompt.wait_ms = Some(20.0);
+        assert!(!prompt.wants_forward(true, true));
     }
 }
 
