@@ -437,8 +437,7 @@ async fn run_session(
 #[derive(Default)]
 struct Waiting {
     /// The draft node runs on this node's CPUs (`OpenSession.draft_shares_cpus`): a forward
-    /// while it drafts would take its cores, so none runs. (One host, AVX2 Zen 3: 0.90× the
-    /// target alone with those forwards, 1.14× without.)
+    /// while it drafts would take its cores, so none runs.
     draft_shares_cpus: bool,
     /// When the latest verdict went out, and what its verification took.
     answered: Option<(Instant, f64)>,

@@ -190,6 +190,15 @@ pub struct Prediction {
     pub arrival_verify_ms: f64,
 }
 
+impl Prediction {
+    /// The step when the tree is drafted only after the verdict before it (every step without
+    /// pipelining, a miss with it): nothing overlaps, and the node verifies it at
+    /// [`arrival_verify_ms`](Self::arrival_verify_ms).
+    pub fn after_verdict_step_ms(&self) -> f64 {
+        self.draft_ms + self.network_ms + self.arrival_verify_ms + self.overhead_ms
+    }
+}
+
 /// Prior hit probability of pipelined drafting before a generation has verified a step.
 pub const PIPELINE_HIT_PRIOR: f64 = 0.5;
 
@@ -282,7 +291,6 @@ fn hit_probability(hit: f64) -> f64 {
 /// ```text
 /// t = min(t_v(n), max(t_v(1) − gap, 0) + Σ_r p[r] · t_v(|subtree(child r)|))
 /// ```
-///
 pub fn waited_verify_ms(
     profile: &Profile,
     p: &[f64],
@@ -429,34 +437,15 @@ pub fn choose(
     max_levels: usize,
     q_entries: usize,
 ) -> Result<AutoPlan, PlanError> {
-    choose_pipelined(profile, p, max_nodes, max_levels, q_entries, None)
+    choose_pipelined(profile, p, max_nodes, max_levels, q_entries, None, None)
 }
 
 /// [`choose`] for a generation that drafts pipelined with hit probability `pipeline_hit`
-/// (None = not pipelined). The root alone costs the same either way, so the rule that no tree
-/// predicted slower than plain decoding is chosen holds here too.
+/// (None = not pipelined), with `plain` (the decode fallback) in the root alone's place when it
+/// is Some, so the trees are weighed against how plain decoding will actually be served. The
+/// root alone costs the same pipelined or not, so the rule that no tree predicted slower than
+/// plain decoding is chosen holds here too.
 pub fn choose_pipelined(
-    profile: &Profile,
-    p: &[f64],
-    max_nodes: usize,
-    max_levels: usize,
-    q_entries: usize,
-    pipeline_hit: Option<f64>,
-) -> Result<AutoPlan, PlanError> {
-    choose_over(
-        profile,
-        p,
-        max_nodes,
-        max_levels,
-        q_entries,
-        pipeline_hit,
-        None,
-    )
-}
-
-/// [`choose_pipelined`], with `plain` (the decode fallback) in the root alone's place when it
-/// is Some: the trees are weighed against how plain decoding will actually be served.
-fn choose_over(
     profile: &Profile,
     p: &[f64],
     max_nodes: usize,
@@ -567,7 +556,7 @@ fn with_miss_tree(
     for h in pipelined.iter().filter(|h| h.nodes > 1) {
         let t_hit = h.hit_step_ms?;
         // H itself after a miss: drafted after the verdict, nothing overlapped.
-        let step_ms = h.draft_ms + h.network_ms + h.arrival_verify_ms + h.overhead_ms;
+        let step_ms = h.after_verdict_step_ms();
         let same = Prediction {
             step_ms,
             speedup: h.expected_tokens * t1 / step_ms,
@@ -702,7 +691,7 @@ pub fn choose_with_fallback(
     decode: Option<usize>,
 ) -> Result<AutoPlan, PlanError> {
     let fallback = decode.map(|k| predict_decode(profile, k));
-    let mut plan = choose_over(
+    let mut plan = choose_pipelined(
         profile,
         p,
         max_nodes,
@@ -966,7 +955,7 @@ mod tests {
             let prof = profile(|n| verify * (0.75 + 0.27 * n), draft, rtt);
             let without = choose(&prof, &p, 64, 8, 0).unwrap();
             for hit in [0.0, 0.5, 1.0] {
-                let with = choose_pipelined(&prof, &p, 64, 8, 0, Some(hit)).unwrap();
+                let with = choose_pipelined(&prof, &p, 64, 8, 0, Some(hit), None).unwrap();
                 assert!(
                     with.best.speedup >= without.best.speedup - 1e-12,
                     "hit {hit}: {} < {}",
@@ -978,13 +967,13 @@ mod tests {
         // A draft as slow as the target: even a certain hit does not make speculation pay
         // against plain decoding, and the planner keeps the root alone.
         let slow = profile(|n| 20.0 * n, 20.0, 1.0);
-        let plan = choose_pipelined(&slow, &p, 64, 8, 0, Some(0.0)).unwrap();
+        let plan = choose_pipelined(&slow, &p, 64, 8, 0, Some(0.0), None).unwrap();
         assert!(!plan.speculate && plan.best.speedup < 1.0);
         // With pipelining and a high hit rate, drafting hides behind a long round trip: the
         // speedup grows, and a slow draft can pay where it did not.
         let far = profile(|n| 20.0 * (1.0 + 0.02 * n), 8.0, 40.0);
         let a = choose(&far, &p, 64, 8, 0).unwrap();
-        let b = choose_pipelined(&far, &p, 64, 8, 0, Some(1.0)).unwrap();
+        let b = choose_pipelined(&far, &p, 64, 8, 0, Some(1.0), None).unwrap();
         assert!(
             b.best.speedup > a.best.speedup,
             "{} vs {}",
@@ -1007,7 +996,7 @@ mod tests {
             10.0,
         );
         for hit in [0.2, 0.45, 0.8] {
-            let plan = choose_pipelined(&prof, &p, 32, 8, 0, Some(hit)).unwrap();
+            let plan = choose_pipelined(&prof, &p, 32, 8, 0, Some(hit), None).unwrap();
             let miss = plan
                 .miss
                 .as_ref()
@@ -1132,8 +1121,7 @@ mod tests {
             on.step_ms,
             off.step_ms
         );
-        let after_verdict = on.draft_ms + on.network_ms + on.arrival_verify_ms + on.overhead_ms;
-        assert!((on.step_ms - after_verdict).abs() < 1e-9);
+        assert!((on.step_ms - on.after_verdict_step_ms()).abs() < 1e-9);
         assert_eq!(on.expected_tokens, off.expected_tokens);
         let hit = Some(0.5);
         let (off_p, on_p) = (
