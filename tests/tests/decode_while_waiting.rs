@@ -8,9 +8,9 @@
 use sequoia_core::sampling::{SamplingParams, SparseDist};
 use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_engine::LoadOptions;
-use sequoia_engine::Model;
+use sequoia_engine::{Model, Stop};
 use sequoia_tests::*;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
 use verify_service::session::{Prepared, SessionLimits, StepResult, VerifySession};
 
 fn limits() -> SessionLimits {
@@ -81,7 +81,9 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
     let (mut waits, mut plain) = (open(), open());
     let go = AtomicBool::new(false);
     // Nothing to wait for before the first verdict.
-    assert!(!waits.decode_while_waiting(&model, &go).unwrap());
+    assert!(!waits
+        .decode_while_waiting(&model, Stop::at_any_layer(&go))
+        .unwrap());
     for s in [&mut waits, &mut plain] {
         let (r, _) = verify(s, &model, 0, &[-1], &[root]);
         assert_eq!(r.verdict.next_token, g[0]);
@@ -90,13 +92,19 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
     // A message that came while it decoded stops the forward: nothing decoded, nothing changed.
     let before = waits.context_len();
     assert!(!waits
-        .decode_while_waiting(&model, &AtomicBool::new(true))
+        .decode_while_waiting(&model, Stop::at_any_layer(&AtomicBool::new(true)))
         .unwrap());
     assert!(!waits.has_root_ahead());
     assert_eq!(waits.context_len(), before);
 
+    // A message that says to finish (a decode, or a tree that comes past the layer where
+    // finishing costs less than its own forward) lets the forward finish despite the flag.
     // The target's token is the root's second child; both children have a child.
-    assert!(waits.decode_while_waiting(&model, &go).unwrap());
+    let finish = Stop {
+        flag: &AtomicBool::new(true),
+        before_layer: &AtomicUsize::new(0),
+    };
+    assert!(waits.decode_while_waiting(&model, finish).unwrap());
     assert!(waits.has_root_ahead());
     let (parents, tokens) = ([-1, 0, 0, 1, 2], [g[0], other(g[1]), g[1], g[2], g[2]]);
     let (a, ran) = verify(&mut waits, &model, 1, &parents, &tokens);
@@ -109,7 +117,9 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
     assert_eq!(a.verdict.next_token, g[3]);
 
     // No child holds the target's token: the verdict comes without a forward.
-    assert!(waits.decode_while_waiting(&model, &go).unwrap());
+    assert!(waits
+        .decode_while_waiting(&model, Stop::at_any_layer(&go))
+        .unwrap());
     let (parents, tokens) = ([-1, 0, 0], [g[3], other(g[4]), other(other(g[4]))]);
     let (a, ran) = verify(&mut waits, &model, 2, &parents, &tokens);
     let (b, _) = verify(&mut plain, &model, 2, &parents, &tokens);
@@ -118,7 +128,9 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
     assert_eq!(a.verdict.next_token, g[4]);
 
     // A decode (a root-only tree) takes the waiting token as its first, with no forward.
-    assert!(waits.decode_while_waiting(&model, &go).unwrap());
+    assert!(waits
+        .decode_while_waiting(&model, Stop::at_any_layer(&go))
+        .unwrap());
     let (a, ran) = verify(&mut waits, &model, 3, &[-1], &[g[4]]);
     let (b, _) = verify(&mut plain, &model, 3, &[-1], &[g[4]]);
     same(&a, &b, "decode");
@@ -130,7 +142,9 @@ fn a_token_decoded_while_waiting_changes_no_verdict() {
 
     // A tree with another root than the token followed: it is taken back, the tree verified
     // whole.
-    assert!(waits.decode_while_waiting(&model, &go).unwrap());
+    assert!(waits
+        .decode_while_waiting(&model, Stop::at_any_layer(&go))
+        .unwrap());
     let (parents, tokens) = ([-1, 0], [other(g[5]), g[6]]);
     let (a, ran) = verify(&mut waits, &model, 4, &parents, &tokens);
     let (b, _) = verify(&mut plain, &model, 4, &parents, &tokens);
@@ -188,7 +202,9 @@ fn a_sampled_session_that_decoded_while_waiting_gives_the_verdicts_of_one_that_d
         let mut next = root;
         for step in 0..6u64 {
             if step > 0 {
-                assert!(waits.decode_while_waiting(&model, &go).unwrap());
+                assert!(waits
+                    .decode_while_waiting(&model, Stop::at_any_layer(&go))
+                    .unwrap());
             }
             // Alternate trees and decodes (root-only trees).
             let (parents, tokens, dists) = if step % 3 == 2 {

@@ -7,8 +7,8 @@
 //! tokenizer compatibility and measure verify cost for the planner.
 //!
 //! Layout: [`cli`] (the command line), [`config`] (settings), [`session`] (plain per-session
-//! logic), [`service`] (the gRPC layer), and [`serve`] here (health, reflection, draining
-//! shutdown).
+//! logic), [`wait`] (what the node does while a session waits for its tree), [`service`] (the
+//! gRPC layer), and [`serve`] here (health, reflection, draining shutdown).
 
 pub mod batch;
 pub mod cli;
@@ -17,6 +17,7 @@ pub mod decode;
 pub mod kv_pool;
 pub mod service;
 pub mod session;
+pub mod wait;
 
 use anyhow::Context;
 use config::VerifyConfig;

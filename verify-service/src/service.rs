@@ -5,9 +5,11 @@ use crate::batch::Scheduler;
 use crate::config::VerifyConfig;
 use crate::kv_pool::KvPool;
 use crate::session::{Prepared, SessionError, SessionLimits, VerifySession};
+use crate::wait::{Interrupt, Waiting};
 use sequoia_core::limits;
+use sequoia_core::planner::cost::CostCurve;
 use sequoia_engine::tokenizer::TextTokenizer;
-use sequoia_engine::Model;
+use sequoia_engine::{Model, Stop};
 use sequoia_proto::v1::verifier_server::Verifier;
 use sequoia_proto::v1::{
     session_request, session_response, InfoRequest, InfoResponse, PingRequest, PingResponse,
@@ -17,7 +19,7 @@ use sequoia_server::admission::{Admission, Permit, Refused};
 use sequoia_server::metrics::Metrics;
 use sequoia_server::process::secs;
 use sequoia_server::wire;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -42,6 +44,10 @@ pub struct VerifyState {
     pub scheduler: Option<Scheduler>,
     /// KV memory reserved by open sessions against `kv_budget_mb`.
     pub kv: Arc<KvPool>,
+    /// Forward times per number of rows from the latest `Profile` (the draft nodes ask for
+    /// one before they plan): what a tree's forward costs against one row's, for the choice
+    /// between stopping and finishing a forward run in a session's wait (crate::wait).
+    pub forward_costs: std::sync::Mutex<Option<CostCurve>>,
     next_session: AtomicUsize,
 }
 
@@ -71,6 +77,7 @@ impl VerifyState {
             tokenizer: Arc::new(tokenizer),
             config,
             moving: tokio::sync::watch::Sender::new(false),
+            forward_costs: std::sync::Mutex::new(None),
             next_session: AtomicUsize::new(0),
         }
     }
@@ -245,51 +252,47 @@ async fn run_session(
     let idle = secs(state.config.idle_timeout_secs);
     let mut moving = state.moving.subscribe();
     // The session's messages, each with the time it arrived, read on a task of their own so
-    // that the wait for a tree can be timed (and used) while the session decodes.
-    // `pending` is set as a message comes that the session will act on, so a forward run while
-    // waiting stops for it; a tree sent ahead whose root is not the latest verdict's next token
-    // (`expect`, u64::MAX = unknown) will be dropped, and does not stop it.
+    // that the wait for a tree can be timed (and used) while the session decodes. `interrupt`
+    // tells a forward run while waiting that a message came the session will act on, and
+    // whether to stop or finish (crate::wait).
     let (msg_tx, mut msgs) = mpsc::channel(4);
-    let pending = Arc::new(AtomicBool::new(false));
-    let expect = Arc::new(AtomicU64::new(u64::MAX));
-    let (flag, expected) = (pending.clone(), expect.clone());
+    let interrupt = Arc::new(Interrupt::default());
+    let reader = (interrupt.clone(), state.clone());
     let _reader = AbortOnDrop(tokio::spawn(async move {
+        let (interrupt, state) = reader;
+        let layers = state.model.info().n_layers;
         loop {
             let m = inbound.message().await;
             let end = !matches!(m, Ok(Some(_)));
-            let dropped_ahead = match &m {
-                Ok(Some(SessionRequest {
-                    msg: Some(session_request::Msg::Tree(t)),
-                })) if t.assumes.is_some() => {
-                    let want = expected.load(Ordering::Acquire);
-                    want != u64::MAX && t.tokens.first().map(|&r| r as u64) != Some(want)
-                }
-                _ => false,
-            };
-            let sent = msg_tx.send((Instant::now(), m)).await;
-            if !dropped_ahead {
-                flag.store(true, Ordering::Release);
+            {
+                let costs = state
+                    .forward_costs
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner());
+                interrupt.came(&m, layers, costs.as_ref());
             }
+            let sent = msg_tx.send((Instant::now(), m)).await;
             if sent.is_err() || end {
                 break;
             }
         }
     }));
-    let mut waiting = Waiting {
-        draft_shares_cpus: open.draft_shares_cpus,
-        ..Waiting::default()
-    };
+    let mut waiting = Waiting::new(open.draft_shares_cpus);
     loop {
         if waiting.worth_decoding(&state, &session) {
             // Cleared before looking, so a message that comes after the look stops the forward.
-            pending.store(false, Ordering::Release);
+            interrupt.pending.store(false, Ordering::Release);
             if let Ok(next) = msgs.try_recv() {
                 waiting.early = Some(next);
             } else {
                 let model = state.model.clone();
-                let stop = pending.clone();
+                let stop = interrupt.clone();
                 let (back, r) = blocking(move || {
-                    let r = session.decode_while_waiting(&model, &stop);
+                    let stop = Stop {
+                        flag: &stop.pending,
+                        before_layer: &stop.before_layer,
+                    };
+                    let r = session.decode_while_waiting(&model, stop);
                     (session, r)
                 })
                 .await?;
@@ -327,7 +330,7 @@ async fn run_session(
             Some(session_request::Msg::Tree(tree)) => tree,
             Some(session_request::Msg::Decode(req)) => {
                 waiting.arrived(arrived);
-                expect.store(u64::MAX, Ordering::Release);
+                interrupt.expect(None, session.root_accept_rate());
                 crate::decode::check_decode(
                     &req,
                     &session,
@@ -426,102 +429,9 @@ async fn run_session(
             return Ok(());
         }
         waiting.answered(r.verify_ms);
-        expect.store(r.verdict.next_token as u64, Ordering::Release);
+        interrupt.expect(Some(r.verdict.next_token), session.root_accept_rate());
     }
     Ok(())
-}
-
-/// A session's wait for its next tree (docs/ALGORITHMS.md §10, "The verify node
-/// decodes while it waits"): how long trees took to come after their verdicts, and whether one
-/// is worth a forward of its own meanwhile.
-#[derive(Default)]
-struct Waiting {
-    /// The draft node runs on this node's CPUs (`OpenSession.draft_shares_cpus`): a forward
-    /// while it drafts would take its cores, so none runs.
-    draft_shares_cpus: bool,
-    /// When the latest verdict went out, and what its verification took.
-    answered: Option<(Instant, f64)>,
-    /// Smoothed wait from a verdict to the next message the session acts on, in ms (one that
-    /// was there before the verdict went out does not count).
-    wait_ms: Option<f64>,
-    /// A message that was already there when a forward was considered.
-    early: Option<(Instant, Result<Option<SessionRequest>, Status>)>,
-}
-
-impl Waiting {
-    fn answered(&mut self, verify_ms: f64) {
-        self.answered = Some((Instant::now(), verify_ms));
-    }
-
-    /// The session acts on a message that came at `at` (not a tree sent ahead and dropped).
-    /// Only one that came after the verdict counts: one already there (a tree sent ahead in
-    /// time) is taken without a forward, and counting its zero wait made the waits a forward
-    /// could fill look short.
-    fn arrived(&mut self, at: Instant) {
-        if let Some((sent, _)) = self.answered.take() {
-            if at <= sent {
-                return;
-            }
-            let ms = (at - sent).as_secs_f64() * 1e3;
-            self.wait_ms = Some(match self.wait_ms {
-                Some(w) => 0.5 * w + 0.5 * ms,
-                None => ms,
-            });
-        }
-    }
-
-    /// A forward while waiting pays where the trees have been taking longer to come than half
-    /// the latest verification took (a forward that a tree interrupts stops within a layer, or
-    /// finishes where that is cheaper, so a wrong guess costs little; the half keeps the node
-    /// from starting forwards that mostly stop where trees come right behind their verdicts, as
-    /// near a draft node) and the session is alone on the node (a forward of its own would
-    /// delay the others' batches).
-    fn worth_decoding(&self, state: &VerifyState, session: &VerifySession) -> bool {
-        self.wants_forward(
-            state.config.decode_while_waiting,
-            state.admission.active() == 1 && !session.has_root_ahead(),
-        )
-    }
-
-    /// [`worth_decoding`](Self::worth_decoding) on the node's setting and whether the session
-    /// is alone with no forward of its own done already.
-    fn wants_forward(&self, enabled: bool, alone_without_root: bool) -> bool {
-        let Some((_, verify_ms)) = self.answered else {
-            return false;
-        };
-        enabled
-            && !self.draft_shares_cpus
-            && alone_without_root
-            && self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms)
-    }
-}
-
-#[cfg(test)]
-mod waiting_tests {
-    use super::*;
-
-    /// A session whose trees come late gets a forward in the wait, unless its draft node
-    /// shares this node's CPUs, the node's setting is off, or it is not alone.
-    #[test]
-    fn a_draft_on_the_nodes_cpus_gets_no_forward_in_the_wait() {
-        let late = |shares: bool| {
-            let mut w = Waiting {
-                draft_shares_cpus: shares,
-                ..Waiting::default()
-            };
-            w.answered(100.0);
-            w.wait_ms = Some(80.0);
-            w
-        };
-        assert!(late(false).wants_forward(true, true));
-        assert!(!late(true).wants_forward(true, true));
-        assert!(!late(false).wants_forward(false, true));
-        assert!(!late(false).wants_forward(true, false));
-        // Trees that come right behind their verdicts get none either.
-        let mut prompt = late(false);
-        prompt.wait_ms = Some(20.0);
-        assert!(!prompt.wants_forward(true, true));
-    }
 }
 
 /// A task that is stopped when this is dropped.
@@ -698,6 +608,9 @@ impl Verifier for VerifierService {
                 "profiling took longer than this node allows ({budget:?}); ask for fewer tree_sizes or repeats"
             ))
         })?;
+        if let Ok(curve) = CostCurve::new(req.tree_sizes.clone(), times.clone()) {
+            *s.forward_costs.lock().unwrap_or_else(|e| e.into_inner()) = Some(curve);
+        }
         Ok(Response::new(ProfileResponse {
             tree_sizes: req.tree_sizes,
             forward_ms: times,

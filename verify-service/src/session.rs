@@ -6,7 +6,6 @@ use sequoia_core::sampling::{SamplingParams, SessionRng, SparseDist, VERIFY_STRE
 use sequoia_core::tree::{Tree, TreeLimits};
 use sequoia_core::verify::{decide_with_logits, verify_with_logits, Decision, Step, Verdict};
 use sequoia_engine::{EngineError, KvCache, Logits, Model, Stop};
-use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 /// Limits a session enforces on each message.
@@ -264,15 +263,15 @@ impl VerifySession {
     /// where there is nothing to do: no verdict yet, a root already forwarded, or fewer than
     /// two tokens left to commit.
     ///
-    /// `stop` (set when the next message arrives) abandons the forward within a layer, with
-    /// nothing changed (then also false): a tree that comes sooner than expected waits at
-    /// most a layer, not a whole forward. In the forward's last layers it is finished instead
-    /// (how many: where the rest costs less than the tree's forward is expected to cost more,
-    /// from how often this session's trees had a child of the root accepted).
+    /// `stop` (its flag set when the next message arrives) abandons the forward within a
+    /// layer, with nothing changed (then also false): a tree that comes sooner than expected
+    /// waits at most a layer, not a whole forward. Past `stop`'s layer the forward is finished
+    /// instead; the message sets that layer from what finishing saves it
+    /// (crate::wait::before_layer_for).
     pub fn decode_while_waiting(
         &mut self,
         model: &Model,
-        stop: &AtomicBool,
+        stop: Stop<'_>,
     ) -> Result<bool, SessionError> {
         let Some(&(_, _, root)) = self.last_verdict.as_ref() else {
             return Ok(false);
@@ -283,18 +282,6 @@ impl VerifySession {
         let t0 = Instant::now();
         let chain = Tree::chain(1);
         let roots = [root];
-        // A message that comes in the last layers finds the forward finished instead: with a
-        // share `r` of the forward left, finishing costs r forwards, after which a tree costs
-        // the subtree's forward if a child of its root is accepted (probability `p`, this
-        // session's record) and nothing if not; stopping costs the tree's whole forward, at
-        // least one forward. So finish once r < 1 − p.
-        let layers = model.info().n_layers;
-        let (held, missed) = self.waits_matched;
-        let p = (held as f64 + 1.0) / ((held + missed) as f64 + 2.0);
-        let stop = Stop {
-            flag: stop,
-            before_layer: (layers as f64 * p).floor() as usize + 1,
-        };
         let logits = match model.forward_forest_extend_until(
             &mut self.cache,
             &roots,
@@ -318,6 +305,14 @@ impl VerifySession {
             ms: t0.elapsed().as_secs_f64() * 1e3,
         });
         Ok(true)
+    }
+
+    /// The share of this session's trees that met a root forwarded while waiting and had a
+    /// child of it accepted (with one of each counted in advance): how often finishing that
+    /// forward leaves a subtree to forward (crate::wait::finish_from_layer).
+    pub fn root_accept_rate(&self) -> f64 {
+        let (held, missed) = self.waits_matched;
+        (held as f64 + 1.0) / ((held + missed) as f64 + 2.0)
     }
 
     /// Whether a root forwarded while waiting is held.

@@ -18,7 +18,7 @@
 //! repeated per head.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use candle_core::{DType, Device, Tensor};
 use serde::Serialize;
@@ -352,25 +352,32 @@ pub struct Model {
 /// layer below `before_layer` that finds `flag` set. Past that layer the forward runs to its
 /// end whatever the flag says: for a forward whose result may still serve (the verify node's
 /// decode while it waits, docs/ALGORITHMS.md §10), finishing its last layers can cost less
-/// than the forward that would replace it.
+/// than the forward that would replace it. `before_layer` is read when the flag is seen, so
+/// whoever sets the flag can first set the layer from what it knows then (the message that
+/// interrupts the forward).
 #[derive(Debug, Clone, Copy)]
 pub struct Stop<'a> {
     pub flag: &'a AtomicBool,
-    pub before_layer: usize,
+    pub before_layer: &'a AtomicUsize,
 }
+
+/// `before_layer` for a forward that stops before any layer.
+static ANY_LAYER: AtomicUsize = AtomicUsize::new(usize::MAX);
 
 impl<'a> Stop<'a> {
     /// Stop before any layer once `flag` is set.
     pub fn at_any_layer(flag: &'a AtomicBool) -> Self {
         Self {
             flag,
-            before_layer: usize::MAX,
+            before_layer: &ANY_LAYER,
         }
     }
 
     /// Whether the forward stops before `layer`.
     fn now(&self, layer: usize) -> bool {
-        layer < self.before_layer && self.flag.load(Ordering::Relaxed)
+        // Acquire pairs with the setter's release of the flag, so the layer it stored before
+        // is the one read here.
+        self.flag.load(Ordering::Acquire) && layer < self.before_layer.load(Ordering::Relaxed)
     }
 }
 

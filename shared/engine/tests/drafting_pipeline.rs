@@ -11,7 +11,7 @@ use sequoia_core::tree::Tree;
 use sequoia_engine::drafting::{DraftSession, DraftedTree, SpeculationOutcome};
 use sequoia_engine::random::{RandomQuant, RandomSpec};
 use sequoia_engine::{EngineError, Kernels, LoadOptions, Model};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 fn model() -> Model {
     let spec = RandomSpec {
@@ -358,12 +358,16 @@ fn a_stop_past_its_last_layer_lets_the_forward_finish() {
     let nodes = tokens(3, 5, vocab);
     let parents = [-1, 0, 0];
     let set = AtomicBool::new(true);
+    let layer = AtomicUsize::new(0);
     let run = |before_layer: Option<usize>| {
         let mut cache = model.new_cache();
         model.forward_chain(&mut cache, &prefix).unwrap();
-        let stop = before_layer.map(|before_layer| sequoia_engine::Stop {
-            flag: &set,
-            before_layer,
+        let stop = before_layer.map(|before_layer| {
+            layer.store(before_layer, Ordering::Relaxed);
+            sequoia_engine::Stop {
+                flag: &set,
+                before_layer: &layer,
+            }
         });
         let r = model.forward_forest_extend_until(
             &mut cache,
