@@ -264,14 +264,18 @@ async fn run_session(
         loop {
             let m = inbound.message().await;
             let end = !matches!(m, Ok(Some(_)));
-            {
+            let stops = {
                 let costs = state
                     .forward_costs
                     .lock()
                     .unwrap_or_else(|e| e.into_inner());
-                interrupt.came(&m, layers, costs.as_ref());
-            }
+                interrupt.stops_before(&m, layers, costs.as_ref())
+            };
+            // Handed over first, then raised (`Interrupt::stops_before` says why).
             let sent = msg_tx.send((Instant::now(), m)).await;
+            if let Some(before_layer) = stops {
+                interrupt.raise(before_layer);
+            }
             if sent.is_err() || end {
                 break;
             }

@@ -125,14 +125,16 @@ impl Interrupt {
             .store(root.map_or(u64::MAX, u64::from), Ordering::Release);
     }
 
-    /// The reader got `msg`: unless it is a tree sent ahead that will be dropped, say when it
-    /// stops a forward in the wait and raise [`pending`](Self::pending).
-    pub(crate) fn came(
+    /// The reader got `msg`: None for a tree sent ahead that will be dropped (it does not
+    /// interrupt), else before which layer it stops a forward in the wait. The reader hands
+    /// `msg` to the session, then [`raise`](Self::raise)s it: in that order, a loop that
+    /// clears the flag and then finds no message can only miss one whose flag comes after.
+    pub(crate) fn stops_before(
         &self,
         msg: &Result<Option<SessionRequest>, Status>,
         layers: usize,
         costs: Option<&CostCurve>,
-    ) {
+    ) -> Option<usize> {
         let want = self.expect.load(Ordering::Acquire);
         let expect = u32::try_from(want).ok();
         if let Ok(Some(SessionRequest {
@@ -140,12 +142,17 @@ impl Interrupt {
         })) = msg
         {
             if t.assumes.is_some() && want != u64::MAX && t.tokens.first() != expect.as_ref() {
-                return;
+                return None;
             }
         }
         let p = f64::from_bits(self.root_accept.load(Ordering::Relaxed));
-        let before = before_layer_for(msg, expect, layers, p, costs);
-        self.before_layer.store(before, Ordering::Relaxed);
+        Some(before_layer_for(msg, expect, layers, p, costs))
+    }
+
+    /// A message the session will act on came: a forward in the wait stops before
+    /// `before_layer` ([`stops_before`](Self::stops_before)) or finishes.
+    pub(crate) fn raise(&self, before_layer: usize) {
+        self.before_layer.store(before_layer, Ordering::Relaxed);
         self.pending.store(true, Ordering::Release);
     }
 }
@@ -313,9 +320,10 @@ mod tests {
         {
             t.assumes = Some(Default::default());
         }
-        i.came(&ahead, 28, None);
-        assert!(!i.pending.load(Ordering::Acquire));
-        i.came(&tree(vec![7, 8], vec![-1, 0]), 28, None);
+        assert_eq!(i.stops_before(&ahead, 28, None), None);
+        let own = i.stops_before(&tree(vec![7, 8], vec![-1, 0]), 28, None);
+        assert_eq!(own, Some(22));
+        i.raise(22);
         assert!(i.pending.load(Ordering::Acquire));
         assert_eq!(i.before_layer.load(Ordering::Relaxed), 22);
     }
