@@ -203,7 +203,8 @@ pub(crate) fn before_layer_for(
 /// tree`, i.e. from the layer past `L · (1 − tree + root_accept · subtree)`.
 pub(crate) fn finish_from_layer(layers: usize, root_accept: f64, tree: f64, subtree: f64) -> usize {
     let bound = layers as f64 * (1.0 - tree + root_accept * subtree);
-    if !(bound >= 0.0) {
+    // Below zero (or not a number): finishing pays at every layer.
+    if bound.is_nan() || bound < 0.0 {
         return 0;
     }
     (bound.floor() as usize).saturating_add(1).min(layers)
