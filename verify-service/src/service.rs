@@ -9,7 +9,7 @@ use crate::wait::{Interrupt, Waiting};
 use sequoia_core::limits;
 use sequoia_core::planner::cost::CostCurve;
 use sequoia_engine::tokenizer::TextTokenizer;
-use sequoia_engine::{Model, Stop};
+use sequoia_engine::Model;
 use sequoia_proto::v1::verifier_server::Verifier;
 use sequoia_proto::v1::{
     session_request, session_response, InfoRequest, InfoResponse, PingRequest, PingResponse,
@@ -290,13 +290,9 @@ async fn run_session(
                 waiting.early = Some(next);
             } else {
                 let model = state.model.clone();
-                let stop = interrupt.clone();
+                let interrupt = interrupt.clone();
                 let (back, r) = blocking(move || {
-                    let stop = Stop {
-                        flag: &stop.pending,
-                        before_layer: &stop.before_layer,
-                    };
-                    let r = session.decode_while_waiting(&model, stop);
+                    let r = session.decode_while_waiting(&model, interrupt.stop());
                     (session, r)
                 })
                 .await?;

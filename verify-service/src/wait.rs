@@ -9,6 +9,7 @@
 use crate::service::VerifyState;
 use crate::session::VerifySession;
 use sequoia_core::planner::cost::CostCurve;
+use sequoia_engine::Stop;
 use sequoia_proto::v1::{session_request, SessionRequest};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Instant;
@@ -149,6 +150,14 @@ impl Interrupt {
         Some(before_layer_for(msg, expect, layers, p, costs))
     }
 
+    /// What a forward run in the wait checks before each layer.
+    pub(crate) fn stop(&self) -> Stop<'_> {
+        Stop {
+            flag: &self.pending,
+            before_layer: &self.before_layer,
+        }
+    }
+
     /// A message the session will act on came: a forward in the wait stops before
     /// `before_layer` ([`stops_before`](Self::stops_before)) or finishes.
     pub(crate) fn raise(&self, before_layer: usize) {
@@ -176,20 +185,14 @@ pub(crate) fn before_layer_for(
             msg: Some(session_request::Msg::Tree(t)),
         })) if expect.is_some() && t.tokens.first() == expect.as_ref() => {
             let subtree = first_child_subtree(&t.parents);
-            // Forward costs relative to one row's; unmeasured, the bound that assumes the
-            // tree costs one forward and the subtree as much.
-            let (tree, sub) = match costs.map(|c| (c, c.at(1))) {
-                Some((c, one)) if one > 0.0 => (
-                    c.at(t.parents.len()) / one,
-                    if subtree > 0 {
-                        c.at(subtree) / one
-                    } else {
-                        0.0
-                    },
-                ),
-                _ => (1.0, if subtree > 0 { 1.0 } else { 0.0 }),
+            // A forward's cost against one row's; unmeasured, one forward whatever its size
+            // (the bound that holds for any tree).
+            let rel = |n: usize| match costs {
+                Some(c) if c.at(1) > 0.0 => c.at(n) / c.at(1),
+                _ => 1.0,
             };
-            finish_from_layer(layers, root_accept, tree, sub)
+            let sub = if subtree > 0 { rel(subtree) } else { 0.0 };
+            finish_from_layer(layers, root_accept, rel(t.parents.len()), sub)
         }
         _ => usize::MAX,
     }
@@ -324,8 +327,13 @@ mod tests {
         assert_eq!(i.stops_before(&ahead, 28, None), None);
         let own = i.stops_before(&tree(vec![7, 8], vec![-1, 0]), 28, None);
         assert_eq!(own, Some(22));
+        assert!(
+            !i.pending.load(Ordering::Acquire),
+            "raised only once handed over"
+        );
         i.raise(22);
-        assert!(i.pending.load(Ordering::Acquire));
-        assert_eq!(i.before_layer.load(Ordering::Relaxed), 22);
+        let stop = i.stop();
+        assert!(stop.flag.load(Ordering::Acquire));
+        assert_eq!(stop.before_layer.load(Ordering::Relaxed), 22);
     }
 }
