@@ -341,6 +341,9 @@ async fn run_session(
                     crate::decode::Outcome::Done(back) => session = back,
                     crate::decode::Outcome::ClientGone => return Ok(()),
                 }
+                // The next message starts from the decode's next token: forward it meanwhile.
+                waiting.decoded();
+                interrupt.expect(session.next_root(), session.root_accept_rate());
                 continue;
             }
             _ => {

@@ -307,6 +307,12 @@ impl VerifySession {
         Ok(true)
     }
 
+    /// The latest verdict's next token: the root of the session's next step (None before the
+    /// first verdict).
+    pub fn next_root(&self) -> Option<u32> {
+        self.last_verdict.as_ref().map(|&(_, _, token)| token)
+    }
+
     /// The share of this session's trees that met a root forwarded while waiting and had a
     /// child of it accepted (with one of each counted in advance): how often finishing that
     /// forward leaves a subtree to forward (crate::wait::finish_from_layer).

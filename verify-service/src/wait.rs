@@ -30,6 +30,9 @@ pub(crate) struct Waiting {
     pub(crate) wait_ms: Option<f64>,
     /// A message that was already there when a forward was considered.
     pub(crate) early: Option<(Instant, Result<Option<SessionRequest>, Status>)>,
+    /// The latest message was a `decode`, which ended on a next token that the session's next
+    /// message starts from whatever it is (another decode, or a tree rooted there).
+    after_decode: bool,
 }
 
 impl Waiting {
@@ -43,6 +46,17 @@ impl Waiting {
 
     pub(crate) fn answered(&mut self, verify_ms: f64) {
         self.answered = Some((Instant::now(), verify_ms));
+        self.after_decode = false;
+    }
+
+    /// A `decode` was served. Its last token's forward is wanted by the next message whatever
+    /// it is: a decode starts with it and finishes it when it comes mid-forward, a tree rooted
+    /// there settles its root from it (docs/ALGORITHMS.md §5.5, "The verify node keeps
+    /// decoding"). So a forward in the wait pays however soon that message comes: the round trip
+    /// it fills would otherwise leave the node idle between two decodes.
+    pub(crate) fn decoded(&mut self) {
+        self.answered = None;
+        self.after_decode = true;
     }
 
     /// The session acts on a message that came at `at` (not a tree sent ahead and dropped).
@@ -50,6 +64,7 @@ impl Waiting {
     /// time) is taken without a forward, and counting its zero wait made the waits a forward
     /// could fill look short.
     pub(crate) fn arrived(&mut self, at: Instant) {
+        self.after_decode = false;
         if let Some((sent, _)) = self.answered.take() {
             if at <= sent {
                 return;
@@ -78,13 +93,14 @@ impl Waiting {
     /// [`worth_decoding`](Self::worth_decoding) on the node's setting and whether the session
     /// is alone with no forward of its own done already.
     fn wants_forward(&self, enabled: bool, alone_without_root: bool) -> bool {
-        let Some((_, verify_ms)) = self.answered else {
-            return false;
+        let late_trees = match self.answered {
+            Some((_, verify_ms)) => self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms),
+            None => false,
         };
         enabled
             && !self.draft_shares_cpus
             && alone_without_root
-            && self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms)
+            && (self.after_decode || late_trees)
     }
 }
 
@@ -256,6 +272,32 @@ mod tests {
         let mut prompt = late(false);
         prompt.wait_ms = Some(20.0);
         assert!(!prompt.wants_forward(true, true));
+    }
+
+    /// After a decode the next message, however soon it comes, starts from the decode's next
+    /// token: a forward in the wait is wanted whatever the waits for trees were, under the
+    /// same conditions otherwise, until a message comes or a tree is answered.
+    #[test]
+    fn after_a_decode_the_wait_always_gets_a_forward() {
+        let decoded = |shares: bool| {
+            let mut w = Waiting::new(shares);
+            w.wait_ms = Some(1.0); // trees came right behind their verdicts
+            w.decoded();
+            w
+        };
+        assert!(decoded(false).wants_forward(true, true));
+        assert!(!decoded(true).wants_forward(true, true));
+        assert!(!decoded(false).wants_forward(false, true));
+        assert!(!decoded(false).wants_forward(true, false));
+        let mut came = decoded(false);
+        came.arrived(Instant::now());
+        assert!(!came.wants_forward(true, true), "the message ends it");
+        let mut tree = decoded(false);
+        tree.answered(100.0);
+        assert!(
+            !tree.wants_forward(true, true),
+            "a tree's verdict goes by the waits"
+        );
     }
 
     /// The old rule is the case of a tree that costs one forward and a subtree as much: finish
