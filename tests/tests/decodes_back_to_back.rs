@@ -8,21 +8,6 @@ use sequoia_core::limits;
 use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_proto::v1 as pb;
 use sequoia_tests::*;
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 fn decode_msg(step: u64, root: u32, max_tokens: u32) -> pb::SessionRequest {
     pb::SessionRequest {

@@ -9,9 +9,7 @@ use sequoia_engine::tokenizer::TextTokenizer;
 use sequoia_proto::v1 as pb;
 use sequoia_proto::v1::verifier_server::{Verifier, VerifierServer};
 use sequoia_tests::*;
-use std::io::Write;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -93,19 +91,6 @@ impl Verifier for HostileText {
         _: Request<pb::PingRequest>,
     ) -> Result<Response<pb::PingResponse>, Status> {
         Err(Status::unimplemented(evil("ping")))
-    }
-}
-
-#[derive(Clone, Default)]
-struct Captured(Arc<Mutex<Vec<u8>>>);
-
-impl Write for Captured {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 }
 
