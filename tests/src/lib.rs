@@ -695,3 +695,18 @@ impl std::io::Write for Captured {
         Ok(())
     }
 }
+
+impl Captured {
+    /// A sink installed as this test binary's process-wide log subscriber, in the services'
+    /// own text format (one per binary: the first call wins, a second panics).
+    pub fn install() -> Self {
+        let log = Self::default();
+        let sink = log.clone();
+        tracing::subscriber::set_global_default(sequoia_server::telemetry::subscriber(
+            false,
+            move || sink.clone(),
+        ))
+        .expect("the only subscriber in this test binary");
+        log
+    }
+}

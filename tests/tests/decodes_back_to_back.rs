@@ -24,13 +24,7 @@ fn decode_msg(step: u64, root: u32, max_tokens: u32) -> pb::SessionRequest {
 fn decodes_back_to_back_start_from_the_token_forwarded_in_between() {
     // Read by the subscriber below; this binary's only test, before any service starts.
     std::env::set_var("RUST_LOG", "info,verify_service=debug");
-    let log = Captured::default();
-    let sink = log.clone();
-    tracing::subscriber::set_global_default(sequoia_server::telemetry::subscriber(
-        false,
-        move || sink.clone(),
-    ))
-    .expect("the only subscriber in this test binary");
+    let log = Captured::install();
 
     let pair = TinyPair::new();
     // `open_session` says the draft node is not on this node's CPUs, as across two machines.

@@ -113,13 +113,7 @@ async fn post(addr: SocketAddr, path: &str, body: &serde_json::Value) -> String 
 
 #[test]
 fn input_with_newlines_cannot_forge_a_log_line() {
-    let log = Captured::default();
-    let sink = log.clone();
-    tracing::subscriber::set_global_default(sequoia_server::telemetry::subscriber(
-        false,
-        move || sink.clone(),
-    ))
-    .expect("the only subscriber in this test binary");
+    let log = Captured::install();
 
     let pair = TinyPair::new();
     let rt = tokio::runtime::Runtime::new().unwrap();
