@@ -684,7 +684,7 @@ pub fn series_value(text: &str, series: &str) -> Option<f64> {
 /// (`sequoia_server::telemetry::subscriber(json, move || sink.clone())`): every byte written,
 /// in order, shared by its clones.
 #[derive(Clone, Default)]
-pub struct Captured(pub std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+pub struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
 
 impl std::io::Write for Captured {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
@@ -697,6 +697,11 @@ impl std::io::Write for Captured {
 }
 
 impl Captured {
+    /// Everything logged so far, as text (the services log UTF-8 only).
+    pub fn text(&self) -> String {
+        String::from_utf8(self.0.lock().unwrap().clone()).expect("the log is UTF-8")
+    }
+
     /// A sink installed as this test binary's process-wide log subscriber, in the services'
     /// own text format (one per binary: the first call wins, a second panics).
     pub fn install() -> Self {

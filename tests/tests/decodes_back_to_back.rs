@@ -54,7 +54,7 @@ fn decodes_back_to_back_start_from_the_token_forwarded_in_between() {
         }
         assert_eq!(got, want, "plain target decoding");
     }));
-    let text = String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+    let text = log.text();
     let forwards = text
         .lines()
         .filter(|l| l.contains("decode while waiting") && l.contains("decoded=true"))

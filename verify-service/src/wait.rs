@@ -23,16 +23,26 @@ pub(crate) struct Waiting {
     /// The draft node runs on this node's CPUs (`OpenSession.draft_shares_cpus`): a forward
     /// while it drafts would take its cores, so none runs.
     draft_shares_cpus: bool,
-    /// When the latest verdict went out, and what its verification took.
-    answered: Option<(Instant, f64)>,
+    /// What the session answered last, until the next message it acts on.
+    answered: Answered,
     /// Smoothed wait from a verdict to the next message the session acts on, in ms (one that
     /// was there before the verdict went out does not count).
     pub(crate) wait_ms: Option<f64>,
     /// A message that was already there when a forward was considered.
     pub(crate) early: Option<(Instant, Result<Option<SessionRequest>, Status>)>,
-    /// The latest message was a `decode`, which ended on a next token that the session's next
-    /// message starts from whatever it is (another decode, or a tree rooted there).
-    after_decode: bool,
+}
+
+/// What a session answered last: what its wait can be used for.
+#[derive(Default, Clone, Copy)]
+enum Answered {
+    /// Nothing since the last message it acts on.
+    #[default]
+    Nothing,
+    /// A tree's verdict went out at this instant; its verification took these ms.
+    Verdict(Instant, f64),
+    /// A `decode` ended, on a next token that the next message starts from whatever it is
+    /// (another decode, or a tree rooted there).
+    Decode,
 }
 
 impl Waiting {
@@ -45,8 +55,7 @@ impl Waiting {
     }
 
     pub(crate) fn answered(&mut self, verify_ms: f64) {
-        self.answered = Some((Instant::now(), verify_ms));
-        self.after_decode = false;
+        self.answered = Answered::Verdict(Instant::now(), verify_ms);
     }
 
     /// A `decode` was served. Its last token's forward is wanted by the next message whatever
@@ -55,8 +64,7 @@ impl Waiting {
     /// decoding"). So a forward in the wait pays however soon that message comes: the round trip
     /// it fills would otherwise leave the node idle between two decodes.
     pub(crate) fn decoded(&mut self) {
-        self.answered = None;
-        self.after_decode = true;
+        self.answered = Answered::Decode;
     }
 
     /// The session acts on a message that came at `at` (not a tree sent ahead and dropped).
@@ -64,8 +72,7 @@ impl Waiting {
     /// time) is taken without a forward, and counting its zero wait made the waits a forward
     /// could fill look short.
     pub(crate) fn arrived(&mut self, at: Instant) {
-        self.after_decode = false;
-        if let Some((sent, _)) = self.answered.take() {
+        if let Answered::Verdict(sent, _) = std::mem::take(&mut self.answered) {
             if at <= sent {
                 return;
             }
@@ -93,14 +100,12 @@ impl Waiting {
     /// [`worth_decoding`](Self::worth_decoding) on the node's setting and whether the session
     /// is alone with no forward of its own done already.
     fn wants_forward(&self, enabled: bool, alone_without_root: bool) -> bool {
-        let late_trees = match self.answered {
-            Some((_, verify_ms)) => self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms),
-            None => false,
+        let wait_pays = match self.answered {
+            Answered::Verdict(_, verify_ms) => self.wait_ms.is_some_and(|w| w > 0.5 * verify_ms),
+            Answered::Decode => true,
+            Answered::Nothing => false,
         };
-        enabled
-            && !self.draft_shares_cpus
-            && alone_without_root
-            && (self.after_decode || late_trees)
+        enabled && !self.draft_shares_cpus && alone_without_root && wait_pays
     }
 }
 
