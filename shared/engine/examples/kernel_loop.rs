@@ -2,7 +2,9 @@
 //! `cargo run --release -p sequoia-engine --example kernel_loop -- FORMAT ROWS COPIES REPS [ISA]
 //! [COLUMNS]`, e.g. `… -- Q4K 8 1 20 avx2`. Each rep times the COLUMNS × 1536 shape (default
 //! 8960, the gate/up projection) on one ISA path (`SEQUOIA_KERNEL_ISA`'s names; default
-//! `avx512vnni`), one thread, as `sequoia engine-bench --kernels` does. COPIES = 1 keeps the
+//! `avx512vnni`), one thread, as `sequoia engine-bench --kernels` does: each line gives the call
+//! with the activations' quantization and then the kernel alone (activations quantized once;
+//! compare the latter with a plain C loop such as `scripts/q5_0-block-bench.c`). COPIES = 1 keeps the
 //! weights in cache (L3 at 8960 columns; 512 columns fit L2, the kernel's arithmetic alone);
 //! 64 streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the prefetch distance.
 
@@ -26,9 +28,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for _ in 0..reps {
         let t = kernels::bench(isa, format, columns, 1536, rows, copies)?;
         println!(
-            "{format} rows={rows} copies={copies}: {:.3} ms {:.1} G MAC/s",
+            "{format} rows={rows} copies={copies}: {:.3} ms {:.1} G MAC/s; kernel alone {:.3} ms {:.1} G MAC/s",
             t.ns / 1e6,
-            t.gmacs
+            t.gmacs,
+            t.kernel_ns / 1e6,
+            t.kernel_gmacs
         );
     }
     Ok(())
