@@ -6,7 +6,9 @@
 //   lines: 5 lines, k-groups 0..4 in the low 5 bits of lines 0..4, groups 5..7 spread over the
 //          top 3 bits of the lines.
 // The engine's own loop on the same shape: target/release/examples/kernel_loop Q5_0 1 1 40 avx2
-// 128 (rows 1, 2, 4). Run alone on the machine:
+// 128 (rows 1, 2, 4), its "kernel alone" figure: the other one includes quantizing the
+// activations, a quarter of a call at one row and this shape. (The engine's AVX2 path keeps Q5_0
+// in the five lines since session 31.) Run alone on the machine:
 //   gcc -O3 -mavx2 -mfma -mf16c scripts/q5_0-block-bench.c -o /tmp/q5 && /tmp/q5
 // BENCHMARKS.md, session 30, quotes its output on Zen 3.
 #include <immintrin.h>
