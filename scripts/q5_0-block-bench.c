@@ -1,16 +1,16 @@
 // q5_0-block-bench: the AVX2 Q5_0 block of shared/engine/src/qkernels.rs (`impl Format for
 // Q5_0`, i16 sums) written as a plain C loop, weights in L2 (128 columns x 1536 inputs), for
-// 1, 2 and 4 rows; G multiply-adds/s per core. Two layouts of a block's 8 columns x 32 values:
+// 1, 2, 4 and 8 rows; G multiply-adds/s per core. Two layouts of a block's 8 columns x 32 values:
 //   bits:  4 nibble lines (k-groups g and g + 4 in the low and high nibbles) and one line of
-//          fifth bits (bit g of each byte for k-group g), as the engine keeps it;
+//          fifth bits (bit g of each byte for k-group g), as the engine's non-AVX2 paths keep it;
 //   lines: 5 lines, k-groups 0..4 in the low 5 bits of lines 0..4, groups 5..7 spread over the
 //          top 3 bits of the lines.
 // The engine's own loop on the same shape: target/release/examples/kernel_loop Q5_0 1 1 40 avx2
-// 128 (rows 1, 2, 4), its "kernel alone" figure: the other one includes quantizing the
+// 128 (rows 1, 2, 4, 8), its "kernel alone" figure: the other one includes quantizing the
 // activations, a quarter of a call at one row and this shape. (The engine's AVX2 path keeps Q5_0
 // in the five lines since session 31.) Run alone on the machine:
 //   gcc -O3 -mavx2 -mfma -mf16c scripts/q5_0-block-bench.c -o /tmp/q5 && /tmp/q5
-// BENCHMARKS.md, session 30, quotes its output on Zen 3.
+// BENCHMARKS.md, sessions 30 and 31, quote its output on Zen 3.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -105,17 +105,19 @@ KERNEL(bits4, 4, DECODE_BITS)
 KERNEL(lines1, 1, DECODE_LINES)
 KERNEL(lines2, 2, DECODE_LINES)
 KERNEL(lines4, 4, DECODE_LINES)
+KERNEL(bits8, 8, DECODE_BITS)
+KERNEL(lines8, 8, DECODE_LINES)
 
 typedef void (*Kernel)(const uint8_t *, const uint16_t *, const Act *, float *, long);
 
 int main(void) {
     uint8_t *w = aligned_alloc(64, NG * NB * 160);
     uint16_t *sc = aligned_alloc(64, NG * NB * 16);
-    Act *a = aligned_alloc(64, sizeof(Act) * NB * 4);
-    float *y = aligned_alloc(64, 4 * NG * 8 * sizeof(float));
+    Act *a = aligned_alloc(64, sizeof(Act) * NB * 8);
+    float *y = aligned_alloc(64, 8 * NG * 8 * sizeof(float));
     for (int i = 0; i < NG * NB * 160; i++) w[i] = rand();
     for (int i = 0; i < NG * NB * 8; i++) sc[i] = 0x3c00; // f16 1.0
-    for (int i = 0; i < NB * 4; i++) {
+    for (int i = 0; i < NB * 8; i++) {
         for (int j = 0; j < 32; j++) a[i].qs[j] = rand() % 255 - 127;
         a[i].d = 1.0f;
         a[i].off = 0;
@@ -126,8 +128,9 @@ int main(void) {
         Kernel k;
         int rows;
     } runs[] = {{"bits", bits1, 1},   {"lines", lines1, 1}, {"bits", bits2, 2},
-                {"lines", lines2, 2}, {"bits", bits4, 4},   {"lines", lines4, 4}};
-    for (int i = 0; i < 6; i++) {
+                {"lines", lines2, 2}, {"bits", bits4, 4},   {"lines", lines4, 4},
+                {"bits", bits8, 8},   {"lines", lines8, 8}};
+    for (int i = 0; i < 8; i++) {
         double best = 0;
         for (int rep = 0; rep < 5; rep++) { // best of 5: other processes only add time
             long iters = 20000 / runs[i].rows;

@@ -2198,7 +2198,8 @@ impl Format for Q5_0Lines {
             let d = S::load_f16(aux.add(2 * S::LANES * half));
             // At most 4 rows at a time: the 8 unpacked lines, 8 rows' sums and their outputs
             // would need more than the 16 registers of AVX2 (8 rows at once ran 4 % slower
-            // than the bit planes, 4 at a time 5 % faster).
+            // than the bit planes, 4 at a time 4 % faster; a loop over chunks of up to 4, one
+            // code for every R, ran 5–10 % slower at 5 and 8 rows).
             if R <= 4 {
                 q5_0_lines_rows::<S, R>(&w, acts, d, out);
             } else {
