@@ -44,6 +44,14 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// waits on every add).
 #[inline]
 fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if q.len().is_multiple_of(8)
+        && k.iter().all(|k| k.len() == q.len())
+        && crate::qkernels::isa().has_avx512()
+    {
+        // SAFETY: `has_avx512` says the CPU has AVX-512 F; lengths checked.
+        return unsafe { dot4_avx512(q, k) };
+    }
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
     if q.len().is_multiple_of(8) && k.iter().all(|k| k.len() == q.len()) {
         use std::arch::x86_64::*;
@@ -69,10 +77,69 @@ fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
     k.map(|k| dot(q, k))
 }
 
+/// [`dot4`] on 512-bit vectors, the same bits: each register holds two keys' eight running
+/// sums (one key per 256-bit half, the query's eight values in both), and the sums combine in
+/// registers in [`dot`]'s order: `(l0 + l4, l1 + l5, l2 + l6, l3 + l7)` by swapping 128-bit
+/// halves, then the first two and the last two of those, then the two results.
+///
+/// # Safety
+/// The CPU has AVX-512 F; `q` is a multiple of 8 long and every key as long as `q`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot4_avx512(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+    use std::arch::x86_64::*;
+    // SAFETY: every load reads 8 floats inside `q` or a key of the same length (caller).
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); 2];
+        for c in (0..q.len()).step_by(8) {
+            // (The f32x8 forms of the broadcast and insert are AVX-512 DQ; the f64x4 ones
+            // move the same bits and need only F.)
+            let x = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(
+                q.as_ptr().add(c),
+            ))));
+            for (p, a) in acc.iter_mut().enumerate() {
+                let lo = _mm256_loadu_ps(k[2 * p].as_ptr().add(c));
+                let hi = _mm256_loadu_ps(k[2 * p + 1].as_ptr().add(c));
+                let y = _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                    _mm256_castps_pd(hi),
+                ));
+                // A multiply, then an add (not fused), as in `dot`.
+                *a = _mm512_add_ps(*a, _mm512_mul_ps(x, y));
+            }
+        }
+        let mut out = [0f32; 4];
+        for (p, a) in acc.iter().enumerate() {
+            // Lanes 0–3 of each half: l0 + l4, l1 + l5, l2 + l6, l3 + l7.
+            let t = _mm512_add_ps(*a, _mm512_shuffle_f32x4::<0b10_11_00_01>(*a, *a));
+            // Lanes 0 and 2: (l0 + l4) + (l1 + l5) and (l2 + l6) + (l3 + l7).
+            let u = _mm512_add_ps(t, _mm512_movehdup_ps(t));
+            // Lane 0: their sum; then `dot`'s empty tail (0 + x, which turns −0 into +0).
+            let v = _mm512_add_ps(u, _mm512_permute_ps::<0b10>(u));
+            let v = _mm512_add_ps(v, _mm512_setzero_ps());
+            let mut l = [0f32; 16];
+            _mm512_storeu_ps(l.as_mut_ptr(), v);
+            out[2 * p] = l[0];
+            out[2 * p + 1] = l[8];
+        }
+        out
+    }
+}
+
 /// `o += w_j · v_j` for each `(w_j, v_j)` in order: per element of `o` the same sequence of
 /// multiply-then-add as a plain loop, with `o` held in registers across the rows.
+///
+/// Each element's sequence does not depend on the vector width, so the 512-bit path (where the
+/// kernels run AVX-512: [`crate::qkernels::isa`]) gives the same bits with half the
+/// instructions; at long contexts this pass is about half of a tree forward's attention.
 #[inline]
 fn axpy_rows<'v>(o: &mut [f32], rows: impl Iterator<Item = (f32, &'v [f32])> + Clone) {
+    #[cfg(target_arch = "x86_64")]
+    if o.len().is_multiple_of(128) && crate::qkernels::isa().has_avx512() {
+        // SAFETY: `has_avx512` says the CPU has AVX-512 F.
+        unsafe { axpy_rows_avx512(o, rows) };
+        return;
+    }
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
     if o.len().is_multiple_of(64) {
         use std::arch::x86_64::*;
@@ -100,6 +167,40 @@ fn axpy_rows<'v>(o: &mut [f32], rows: impl Iterator<Item = (f32, &'v [f32])> + C
     for (w, v) in rows {
         for (o, &x) in o.iter_mut().zip(v) {
             *o += w * x;
+        }
+    }
+}
+
+/// [`axpy_rows`] on 512-bit vectors: `o` (a multiple of 128 floats) 128 at a time in eight
+/// registers.
+///
+/// # Safety
+/// The CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn axpy_rows_avx512<'v>(
+    o: &mut [f32],
+    rows: impl Iterator<Item = (f32, &'v [f32])> + Clone,
+) {
+    use std::arch::x86_64::*;
+    for c0 in (0..o.len()).step_by(128) {
+        // SAFETY: loads and stores cover `o[c0..c0 + 128]` and the same range of each value row
+        // (asserted to be as long as `o`).
+        unsafe {
+            let mut acc: [__m512; 8] =
+                std::array::from_fn(|i| _mm512_loadu_ps(o.as_ptr().add(c0 + 16 * i)));
+            for (w, v) in rows.clone() {
+                assert_eq!(v.len(), o.len());
+                let wv = _mm512_set1_ps(w);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let x = _mm512_loadu_ps(v.as_ptr().add(c0 + 16 * i));
+                    // A multiply, then an add (not fused), as in the plain loop.
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, x));
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(o.as_mut_ptr().add(c0 + 16 * i), *a);
+            }
         }
     }
 }
@@ -208,8 +309,11 @@ pub(crate) struct Dims {
 }
 
 /// Queries (row × head pairs of one KV group) per task: their scores for a block of keys stay
-/// in L1 while each key row is reused by all of them.
-const QUERY_TILE: usize = 16;
+/// in L1 while each key row is reused by all of them. Every tile reads the group's whole K and
+/// V, so at long contexts the tile count sets the memory traffic: 16 rows of a GQA group of 6
+/// heads are 96 queries, 6 tiles of 16 against 2 of 48 (1.5B target, 4,096 tokens of context:
+/// t(16) 9 % faster with the 512-bit passes below; BENCHMARKS.md, session 32).
+const QUERY_TILE: usize = 48;
 /// Keys per block of the score and value passes (a block of K or V rows stays in L1/L2 while
 /// every query of the tile reads it).
 const KEY_BLOCK: usize = 64;
@@ -433,6 +537,83 @@ mod tests {
                 (x % 2001) as f32 / 500.0 - 2.0
             })
             .collect()
+    }
+
+    /// The 512-bit four-key dot product gives [`dot`]'s bits for each key, at head sizes of
+    /// 8 to 256 and values of every magnitude (so a fused multiply-add or a sum combined in
+    /// another order would show).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn dot4_avx512_equals_dot() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("dot4_avx512_equals_dot: not run, this CPU lacks AVX-512 F");
+            return;
+        }
+        let scaled = |len: usize, seed: u64| -> Vec<f32> {
+            rand(len, seed)
+                .iter()
+                .enumerate()
+                .map(|(i, x)| x * 10f32.powi((i as i32 * 7 + seed as i32) % 11 - 5))
+                .collect()
+        };
+        for d in [8, 16, 64, 128, 256] {
+            for trial in 0..20u64 {
+                let q = scaled(d, 100 + trial);
+                let ks: Vec<Vec<f32>> = (0..4).map(|i| scaled(d, 7 * trial + i + 1)).collect();
+                let k = [&ks[0][..], &ks[1][..], &ks[2][..], &ks[3][..]];
+                // SAFETY: checked above; lengths equal and a multiple of 8.
+                let got = unsafe { dot4_avx512(&q, k) };
+                for (i, kv) in k.iter().enumerate() {
+                    assert_eq!(
+                        got[i].to_bits(),
+                        dot(&q, kv).to_bits(),
+                        "d = {d}, trial {trial}, key {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The 512-bit weighted sum of values gives the plain loop's bits, element by element,
+    /// for 1 to 40 rows of 128 and 256 floats (weights and values of every magnitude, so a
+    /// fused multiply-add or a reordered sum would show).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn axpy_rows_avx512_equals_the_plain_loop() {
+        if !is_x86_feature_detected!("avx512f") {
+            eprintln!("axpy_rows_avx512_equals_the_plain_loop: not run, this CPU lacks AVX-512 F");
+            return;
+        }
+        for d in [128, 256] {
+            for rows in [1, 7, 40] {
+                let w: Vec<f32> = rand(rows, 3 + rows as u64)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| x * 10f32.powi(i as i32 % 7 - 3))
+                    .collect();
+                let v: Vec<f32> = rand(rows * d, 5 + d as u64)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, x)| x * 10f32.powi(i as i32 % 9 - 4))
+                    .collect();
+                let start = rand(d, 17);
+                let it = (0..rows).map(|j| (w[j], &v[j * d..(j + 1) * d]));
+                let mut want = start.clone();
+                for (wj, vj) in it.clone() {
+                    for (o, &x) in want.iter_mut().zip(vj) {
+                        *o += wj * x;
+                    }
+                }
+                let mut got = start.clone();
+                // SAFETY: checked above.
+                unsafe { axpy_rows_avx512(&mut got, it) };
+                assert_eq!(
+                    got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "d = {d}, {rows} rows"
+                );
+            }
+        }
     }
 
     /// Tiles of shared key loads give every (row, head) exactly the single-query result, for

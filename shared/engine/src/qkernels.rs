@@ -2953,6 +2953,11 @@ impl Isa {
         Isa::Amx,
     ];
 
+    /// Whether this path runs AVX-512 (so the CPU has AVX-512 F).
+    pub fn has_avx512(self) -> bool {
+        matches!(self, Isa::Avx512Vnni | Isa::Amx)
+    }
+
     /// The name `SEQUOIA_KERNEL_ISA` takes.
     pub fn name(self) -> &'static str {
         match self {
