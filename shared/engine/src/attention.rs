@@ -41,15 +41,14 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// [`dot`] of `q` with four keys at once, each result bit-identical to `dot(q, k)`: the four
 /// accumulations are independent chains, so they hide each other's add latency (one chain alone
-/// waits on every add).
+/// waits on every add). `wide`: the CPU has AVX-512 F ([`crate::qkernels::Isa::has_avx512`]).
 #[inline]
-fn dot4(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
+fn dot4(q: &[f32], k: [&[f32]; 4], wide: bool) -> [f32; 4] {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = wide;
     #[cfg(target_arch = "x86_64")]
-    if q.len().is_multiple_of(8)
-        && k.iter().all(|k| k.len() == q.len())
-        && crate::qkernels::isa().has_avx512()
-    {
-        // SAFETY: `has_avx512` says the CPU has AVX-512 F; lengths checked.
+    if q.len().is_multiple_of(8) && k.iter().all(|k| k.len() == q.len()) && wide {
+        // SAFETY: `wide` only where the CPU has AVX-512 F (caller); lengths checked.
         return unsafe { dot4_avx512(q, k) };
     }
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
@@ -132,11 +131,12 @@ unsafe fn dot4_avx512(q: &[f32], k: [&[f32]; 4]) -> [f32; 4] {
 /// Each element's sequence does not depend on the vector width, so the 512-bit path (where the
 /// kernels run AVX-512: [`crate::qkernels::isa`]) gives the same bits with half the
 /// instructions; at long contexts this pass is about half of a tree forward's attention.
+/// `wide`: the CPU has AVX-512 F ([`crate::qkernels::Isa::has_avx512`]).
 #[inline]
-fn axpy_rows<'v>(o: &mut [f32], rows: impl Iterator<Item = (f32, &'v [f32])> + Clone) {
+fn axpy_rows<'v>(o: &mut [f32], rows: impl Iterator<Item = (f32, &'v [f32])> + Clone, wide: bool) {
     #[cfg(target_arch = "x86_64")]
-    if o.len().is_multiple_of(128) && crate::qkernels::isa().has_avx512() {
-        // SAFETY: `has_avx512` says the CPU has AVX-512 F.
+    if o.len().is_multiple_of(128) && wide {
+        // SAFETY: `wide` only where the CPU has AVX-512 F (caller).
         unsafe { axpy_rows_avx512(o, rows) };
         return;
     }
@@ -399,6 +399,8 @@ fn attend_tile(
     len: usize,
 ) -> Vec<f32> {
     let scale = 1.0 / (d as f32).sqrt();
+    // Read once per tile, not per key: the 512-bit passes where the kernels run AVX-512.
+    let wide = crate::qkernels::isa().has_avx512();
     let dense = visible.map_or(len, |v| v.dense.min(len));
     // Per query: its row, its vector, and the new tokens (after `dense`) it sees.
     let qs: Vec<(usize, &[f32], Vec<usize>)> = range
@@ -429,7 +431,7 @@ fn attend_tile(
             let key = |j: usize| &keys[j * d..(j + 1) * d];
             let mut j = j0;
             while j + 4 <= j1 {
-                let dots = dot4(qv, [key(j), key(j + 1), key(j + 2), key(j + 3)]);
+                let dots = dot4(qv, [key(j), key(j + 1), key(j + 2), key(j + 3)], wide);
                 for (x, v) in s[j..j + 4].iter_mut().zip(dots) {
                     *x = v * scale;
                 }
@@ -464,7 +466,7 @@ fn attend_tile(
         let j1 = (j0 + KEY_BLOCK).min(dense);
         for (t, o) in out.chunks_exact_mut(d).enumerate() {
             let p = &scores[offsets[t]..offsets[t] + dense];
-            axpy_rows(o, (j0..j1).map(|j| (p[j], &vals[j * d..(j + 1) * d])));
+            axpy_rows(o, (j0..j1).map(|j| (p[j], &vals[j * d..(j + 1) * d])), wide);
         }
     }
     for (t, o) in out.chunks_exact_mut(d).enumerate() {
@@ -474,6 +476,7 @@ fn attend_tile(
             p.iter()
                 .zip(&qs[t].2)
                 .map(|(&w, &j)| (w, &vals[j * d..(j + 1) * d])),
+            wide,
         );
     }
     out
