@@ -471,7 +471,7 @@ pub fn engine_bench(args: &EngineBenchArgs) -> Result<()> {
         let isa = kernels::active_isa();
         let peaks = roofline::measure(rayon_threads());
         let weights = model.matmul_weights();
-        match (peaks.int8_peak(isa.name()), weights) {
+        match (peaks.int8_peak(isa.peak_family()), weights) {
             (Some(peak), Some((bytes, weights))) => {
                 let (bytes, weights) = (bytes as f64, weights as f64);
                 let threads = rayon_threads() as f64;
@@ -634,7 +634,7 @@ fn kernel_bench(args: &EngineBenchArgs) -> Result<()> {
                     gbps: t.gbps,
                     kernel_ms: t.kernel_ns / 1e6,
                     kernel_gmacs_per_core: t.kernel_gmacs,
-                    share_of_int8_peak: peaks.int8_peak(isa.name()).map(|p| t.gmacs / p),
+                    share_of_int8_peak: peaks.int8_peak(isa.peak_family()).map(|p| t.gmacs / p),
                     share_of_bandwidth: t.gbps / peaks.read_gbps_one_thread,
                 });
             }

@@ -27,7 +27,9 @@
 //! for any batch size, any position in its row tile and any ISA path.
 //!
 //! **ISA paths** (chosen once at run time, see [`Isa`]): AVX-512 VNNI (16 columns per
-//! register), AMX (the AVX-512 path, with Q4_K from 9 rows and Q6_K from 32 on AMX-INT8 tiles:
+//! register; where the CPU has GFNI, `vgf2p8affineqb` moves the 4-bit and 2-bit weight fields
+//! in one instruction instead of a shift and a mask: [`Simd::hi_nibbles`], [`Simd::q6k_field`]),
+//! AMX (the AVX-512 path, with Q4_K from 9 rows and Q6_K from 32 on AMX-INT8 tiles:
 //! [`amx`]), AVX-VNNI and AVX2 (8 columns, the two halves of a group one after the other) and
 //! a portable scalar model of the same lanes (the reference in tests). AVX2 has no `vpdpbusd`:
 //! it sums the `maddubs` products of a whole sub-block in i16 lanes and widens them once, with
@@ -433,6 +435,35 @@ pub(crate) trait Simd: Copy {
     /// Logical shifts of 16-bit lanes.
     unsafe fn shr16(a: Self::I, s: u32) -> Self::I;
     unsafe fn shl16(a: Self::I, s: u32) -> Self::I;
+    /// Each byte's high nibble as its value, 0–15. Two instructions (a 16-bit shift, which
+    /// pulls in the next byte's bits, and a mask); one where GFNI moves bits within bytes.
+    #[inline(always)]
+    unsafe fn hi_nibbles(v: Self::I) -> Self::I {
+        // SAFETY: the CPU supports `Self` (caller).
+        unsafe { Self::and(Self::shr16(v, 4), Self::set1_i8(0x0F)) }
+    }
+    /// Q6_K's high-bit lines: field `q` (bits `2q`, `2q + 1`) of each byte at bits 4–5, zeros
+    /// at bits 6–7; bits 0–3 are left unspecified, for a select that takes them from elsewhere
+    /// ([`q6k_unpack`]). A mask and a shift (one of them for `q = 2`); one instruction with
+    /// GFNI.
+    #[inline(always)]
+    unsafe fn q6k_field(hv: Self::I, q: usize) -> Self::I {
+        // SAFETY: the CPU supports `Self` (caller).
+        unsafe {
+            // Masking to the field and the one two bits from it (0x33, 0xCC) leaves only zeros
+            // where the 16-bit shifts land in bits 6–7.
+            let h = Self::and(
+                hv,
+                Self::set1_i8(if q % 2 == 0 { 0x33 } else { 0xCCu8 as i8 }),
+            );
+            match q {
+                0 => Self::shl16(h, 4),
+                1 => Self::shl16(h, 2),
+                2 => h,
+                _ => Self::shr16(h, 2),
+            }
+        }
+    }
     /// `acc + Σ₄ u8(a) · i8(b)` per i32 lane.
     unsafe fn dpbusd(acc: Self::I, a: Self::I, b: Self::I) -> Self::I;
     /// `acc + Σ₂ i16(a) · i16(b)` per i32 lane.
@@ -640,11 +671,43 @@ impl Simd for Scalar {
 mod x86 {
     use super::*;
 
-    /// AVX-512 VNNI: 16 columns per register.
+    /// AVX-512 VNNI: 16 columns per register. `GFNI`: moves bits within bytes with
+    /// `vgf2p8affineqb` ([`Simd::hi_nibbles`], [`Simd::q6k_field`]), one instruction where
+    /// shifts and masks take two.
     #[derive(Clone, Copy)]
-    pub(crate) struct Avx512;
+    pub(crate) struct Avx512<const GFNI: bool>;
 
-    impl Simd for Avx512 {
+    /// `vgf2p8affineqb` of every byte of `v` with the bit matrix `m` (byte `7 − i` of `m`
+    /// selects the bits of `v` whose parity becomes bit `i`). Written as `asm!` so that the
+    /// functions around it need no `gfni` target feature: only [`Avx512<true>`] calls it, and
+    /// only where the CPU has GFNI ([`Isa::Avx512Gfni`]).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw")]
+    unsafe fn gf2p8affine(v: __m512i, m: u64) -> __m512i {
+        // SAFETY: AVX-512 registers only; the caller checked GFNI and AVX-512 F.
+        unsafe {
+            let m = _mm512_set1_epi64(m as i64);
+            let out: __m512i;
+            std::arch::asm!(
+                "vgf2p8affineqb {out}, {v}, {m}, 0",
+                out = lateout(zmm_reg) out,
+                v = in(zmm_reg) v,
+                m = in(zmm_reg) m,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+            out
+        }
+    }
+
+    /// The bit matrix that moves bits 4–7 of a byte to bits 0–3 and clears bits 4–7.
+    const HI_NIBBLE: u64 = 0x1020_4080_0000_0000;
+
+    /// The bit matrix that moves bits `2q`, `2q + 1` of a byte to bits 4–5 and clears the rest.
+    const fn field_to_bits45(q: usize) -> u64 {
+        ((1u64 << (2 * q)) << 24) | ((1u64 << (2 * q + 1)) << 16)
+    }
+
+    impl<const GFNI: bool> Simd for Avx512<GFNI> {
         const LANES: usize = 16;
         const Q8_BIASED: bool = true;
         const I16_SUMS: bool = false;
@@ -701,6 +764,33 @@ mod x86 {
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
         unsafe fn shl16(a: __m512i, s: u32) -> __m512i {
             _mm512_sll_epi16(a, _mm_cvtsi32_si128(s as i32))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn hi_nibbles(v: __m512i) -> __m512i {
+            if GFNI {
+                // SAFETY: `Avx512<true>` runs only where the CPU has GFNI.
+                unsafe { gf2p8affine(v, HI_NIBBLE) }
+            } else {
+                _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(0x0F))
+            }
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+        unsafe fn q6k_field(hv: __m512i, q: usize) -> __m512i {
+            if GFNI {
+                // SAFETY: as above.
+                unsafe { gf2p8affine(hv, field_to_bits45(q)) }
+            } else {
+                let m = _mm512_set1_epi8(if q % 2 == 0 { 0x33 } else { 0xCCu8 as i8 });
+                let h = _mm512_and_si512(hv, m);
+                match q {
+                    0 => _mm512_slli_epi16::<4>(h),
+                    1 => _mm512_slli_epi16::<2>(h),
+                    2 => h,
+                    _ => _mm512_srli_epi16::<2>(h),
+                }
+            }
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
@@ -1185,7 +1275,7 @@ unsafe fn nibbles<S: Simd>(plane: *const u8, g: usize, nk: usize, half: usize, m
     unsafe {
         let v = S::load(plane.add((g % (nk / 2)) * 64 + 32 * half));
         if g >= nk / 2 {
-            S::and(S::shr16(v, 4), m4)
+            S::hi_nibbles(v)
         } else {
             S::and(v, m4)
         }
@@ -1362,11 +1452,7 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
         let acts_at = 4 * (32 * HI as usize + 8 * j);
         for t in 0..8 {
             let v = S::load(lines.add(64 * t));
-            let w = if HI {
-                S::and(S::shr16(v, 4), m4)
-            } else {
-                S::and(v, m4)
-            };
+            let w = if HI { S::hi_nibbles(v) } else { S::and(v, m4) };
             dot_line::<S, _, R>(&mut a, &mut b, w, acts, acts_at + 4 * t, t % 2 == 1);
         }
         add_scaled::<S, R>(sumi, &a, &b, sc);
@@ -1397,7 +1483,7 @@ unsafe fn q4k_pair<S: Simd, const R: usize>(
             let c = 8 * j + t;
             let v = S::load(main.add(64 * c + 32 * half));
             let wl = S::and(v, m4);
-            let wh = S::and(S::shr16(v, 4), m4);
+            let wh = S::hi_nibbles(v);
             for r in 0..R {
                 let xl = S::bcast(bcast_q(acts[r], 4 * c));
                 lo[r] = S::dpbusd(lo[r], wl, xl);
@@ -1421,22 +1507,13 @@ unsafe fn q6k_unpack<S: Simd>(v: S::I, hv: S::I, q: usize) -> S::I {
         let m4 = S::set1_i8(0x0F);
         if S::TERNLOG {
             // Two instructions fewer per line: bits 0–3 come from the nibbles and bits 4–7
-            // from the field moved to bits 4–5, in one select. Bits 6–7 must then arrive as
-            // zeros: masking `hv` to the field and the one two bits from it (0x33, 0xCC)
-            // leaves only zeros where the 16-bit shifts land in bits 6–7, and whatever they
-            // carry into bits 0–3 the select drops.
+            // from the field moved to bits 4–5 (zeros above it, [`Simd::q6k_field`]), in one
+            // select, which drops whatever the 16-bit shifts carry into bits 0–3.
             let nib = if q >= 2 { S::shr16(v, 4) } else { v };
-            let h = S::and(hv, S::set1_i8(if q % 2 == 0 { 0x33 } else { 0xCCu8 as i8 }));
-            let h = match q {
-                0 => S::shl16(h, 4),
-                1 => S::shl16(h, 2),
-                2 => h,
-                _ => S::shr16(h, 2),
-            };
-            S::bitsel(m4, nib, h)
+            S::bitsel(m4, nib, S::q6k_field(hv, q))
         } else {
             let lo = if q >= 2 {
-                S::and(S::shr16(v, 4), m4)
+                S::hi_nibbles(v)
             } else {
                 S::and(v, m4)
             };
@@ -2874,9 +2951,16 @@ impl<F: Format> Packed<F> {
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx512Vnni => run_avx512(self, acts, m, groups, out),
                 #[cfg(target_arch = "x86_64")]
+                Isa::Avx512Gfni => run_avx512_gfni(self, acts, m, groups, out),
+                #[cfg(target_arch = "x86_64")]
                 Isa::Amx => {
+                    // Tiles where they pay (`columns_amx` says), else the 512-bit path.
                     if !F::columns_amx(self, acts, m, groups.clone(), out) {
-                        run_avx512(self, acts, m, groups, out)
+                        if Isa::Avx512Gfni.available() {
+                            run_avx512_gfni(self, acts, m, groups, out)
+                        } else {
+                            run_avx512(self, acts, m, groups, out)
+                        }
                     }
                 }
                 #[cfg(not(target_arch = "x86_64"))]
@@ -2896,7 +2980,21 @@ unsafe fn run_avx512<F: Format>(
     out: OutPtr,
 ) {
     // SAFETY: caller.
-    unsafe { p.run::<x86::Avx512, 8>(acts, m, groups, out) }
+    unsafe { p.run::<x86::Avx512<false>, 8>(acts, m, groups, out) }
+}
+
+/// [`run_avx512`] with GFNI's bit moves (`vgf2p8affineqb`, [`x86::Avx512<true>`]).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn run_avx512_gfni<F: Format>(
+    p: &Packed<F>,
+    acts: &[F::Act],
+    m: usize,
+    groups: std::ops::Range<usize>,
+    out: OutPtr,
+) {
+    // SAFETY: caller (GFNI checked through `Isa::Avx512Gfni`).
+    unsafe { p.run::<x86::Avx512<true>, 8>(acts, m, groups, out) }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -2942,20 +3040,34 @@ pub enum Isa {
     Amx,
     /// 512-bit `vpdpbusd` (AVX-512 F/BW/VNNI).
     Avx512Vnni,
+    /// [`Isa::Avx512Vnni`] with GFNI's `vgf2p8affineqb` for the 4-bit and 2-bit fields of
+    /// the weights (one instruction where a shift and a mask take two).
+    Avx512Gfni,
 }
 
 impl Isa {
-    pub const ALL: [Isa; 5] = [
+    pub const ALL: [Isa; 6] = [
         Isa::Scalar,
         Isa::Avx2,
         Isa::AvxVnni,
         Isa::Avx512Vnni,
+        Isa::Avx512Gfni,
         Isa::Amx,
     ];
 
     /// Whether this path runs AVX-512 (so the CPU has AVX-512 F).
     pub fn has_avx512(self) -> bool {
-        matches!(self, Isa::Avx512Vnni | Isa::Amx)
+        matches!(self, Isa::Avx512Vnni | Isa::Avx512Gfni | Isa::Amx)
+    }
+
+    /// The instruction family whose measured peak this path's multiply-adds run at (the
+    /// names of `roofline::Peaks::int8_gmacs_per_core`): GFNI changes only how the weights
+    /// are unpacked, not the `vpdpbusd`s.
+    pub fn peak_family(self) -> &'static str {
+        match self {
+            Isa::Avx512Gfni => Isa::Avx512Vnni.name(),
+            other => other.name(),
+        }
     }
 
     /// The name `SEQUOIA_KERNEL_ISA` takes.
@@ -2965,6 +3077,7 @@ impl Isa {
             Isa::Avx2 => "avx2",
             Isa::AvxVnni => "avxvnni",
             Isa::Avx512Vnni => "avx512vnni",
+            Isa::Avx512Gfni => "avx512gfni",
             Isa::Amx => "amx",
         }
     }
@@ -2991,6 +3104,7 @@ impl Isa {
                         && is_x86_feature_detected!("avx512bw")
                         && is_x86_feature_detected!("avx512vnni")
                 }
+                Isa::Avx512Gfni => Isa::Avx512Vnni.available() && is_x86_feature_detected!("gfni"),
                 Isa::Amx => Isa::Avx512Vnni.available() && amx::available(),
             }
         }
@@ -3002,14 +3116,20 @@ impl Isa {
 
     /// The fastest available path.
     pub fn best() -> Isa {
-        [Isa::Amx, Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2]
-            .into_iter()
-            .find(|i| i.available())
-            .unwrap_or(Isa::Scalar)
+        [
+            Isa::Amx,
+            Isa::Avx512Gfni,
+            Isa::Avx512Vnni,
+            Isa::AvxVnni,
+            Isa::Avx2,
+        ]
+        .into_iter()
+        .find(|i| i.available())
+        .unwrap_or(Isa::Scalar)
     }
 }
 
-/// The path the kernels use: `SEQUOIA_KERNEL_ISA` (scalar|avx2|avxvnni|avx512vnni|amx) if set
+/// The path the kernels use: `SEQUOIA_KERNEL_ISA` (scalar|avx2|avxvnni|avx512vnni|avx512gfni|amx) if set
 /// and available on this CPU, else [`Isa::best`]. Read once.
 pub(crate) fn isa() -> Isa {
     use std::sync::OnceLock;
@@ -3029,7 +3149,7 @@ pub(crate) fn isa() -> Isa {
                 }
                 None => {
                     tracing::warn!(
-                        "SEQUOIA_KERNEL_ISA={v}: unknown (scalar|avx2|avxvnni|avx512vnni|amx); using {}",
+                        "SEQUOIA_KERNEL_ISA={v}: unknown (scalar|avx2|avxvnni|avx512vnni|avx512gfni|amx); using {}",
                         best.name()
                     );
                     best
@@ -3162,6 +3282,80 @@ mod tests {
                 let (lo, hi) = (v[i] as u16, (v[i] >> 16) as u16);
                 assert_eq!(r[i], ((lo >> s) as u32) | (((hi >> s) as u32) << 16));
                 assert_eq!(l[i], ((lo << s) as u32) | (((hi << s) as u32) << 16));
+            }
+        }
+    }
+
+    /// The bit moves of the weight unpacking, on every byte value: the scalar model's shift
+    /// and mask forms against their definitions, and the 512-bit ones (with and without GFNI,
+    /// where this CPU has them) against the scalar model.
+    #[test]
+    fn bit_field_moves_match_their_definitions_on_every_byte() {
+        // Four 64-byte lines: every byte value once, at every position within its 16-bit lane.
+        let lines: Vec<[u8; 64]> = (0..4)
+            .map(|l| std::array::from_fn(|i| (64 * l + i) as u8))
+            .collect();
+        let as_lanes = |b: &[u8; 64]| -> [u32; 16] {
+            std::array::from_fn(|i| u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap()))
+        };
+        let bytes = |v: [u32; 16]| -> Vec<u8> { v.iter().flat_map(|w| w.to_le_bytes()).collect() };
+        // Q6_K's field moves leave bits 0–3 to the select that follows: compare bits 4–7.
+        let top = |b: Vec<u8>| -> Vec<u8> { b.iter().map(|x| x & 0xF0).collect() };
+        for line in &lines {
+            // SAFETY: pure lane arithmetic.
+            let hi = bytes(unsafe { Scalar::hi_nibbles(as_lanes(line)) });
+            assert!(
+                line.iter().zip(&hi).all(|(x, h)| x >> 4 == *h),
+                "scalar hi_nibbles"
+            );
+            for q in 0..4 {
+                // SAFETY: as above.
+                let f = top(bytes(unsafe { Scalar::q6k_field(as_lanes(line), q) }));
+                let want: Vec<u8> = line.iter().map(|x| ((x >> (2 * q)) & 3) << 4).collect();
+                assert_eq!(f, want, "scalar q6k_field({q})");
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+            unsafe fn moves<const GFNI: bool>(line: &[u8; 64]) -> (Vec<u8>, Vec<Vec<u8>>) {
+                type S<const G: bool> = x86::Avx512<G>;
+                let out = |v: __m512i| {
+                    let mut b = [0u8; 64];
+                    // SAFETY: 64 writable bytes.
+                    unsafe { _mm512_storeu_si512(b.as_mut_ptr() as *mut _, v) };
+                    b.to_vec()
+                };
+                // SAFETY: the caller checked the features.
+                unsafe {
+                    let v = S::<GFNI>::load(line.as_ptr());
+                    let fields = (0..4).map(|q| out(S::<GFNI>::q6k_field(v, q))).collect();
+                    (out(S::<GFNI>::hi_nibbles(v)), fields)
+                }
+            }
+            for (isa, gfni) in [(Isa::Avx512Vnni, false), (Isa::Avx512Gfni, true)] {
+                if !isa.available() {
+                    eprintln!("{}: not on this CPU, not compared", isa.name());
+                    continue;
+                }
+                for line in &lines {
+                    // SAFETY: the path's features are available (checked above).
+                    let (hi, fields) = unsafe {
+                        if gfni {
+                            moves::<true>(line)
+                        } else {
+                            moves::<false>(line)
+                        }
+                    };
+                    // SAFETY: pure lane arithmetic.
+                    let want_hi = bytes(unsafe { Scalar::hi_nibbles(as_lanes(line)) });
+                    assert_eq!(hi, want_hi, "{} hi_nibbles", isa.name());
+                    for (q, f) in fields.into_iter().enumerate() {
+                        // SAFETY: as above.
+                        let want = top(bytes(unsafe { Scalar::q6k_field(as_lanes(line), q) }));
+                        assert_eq!(top(f), want, "{} q6k_field({q})", isa.name());
+                    }
+                }
             }
         }
     }

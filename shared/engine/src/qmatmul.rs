@@ -8,8 +8,8 @@
 //!
 //! - Q4_K, Q6_K, Q5_0, Q8_0 and Q4_1 (everything in the default models) are repacked at load
 //!   into the column-interleaved layout of [`super::qkernels`] (same size as the file) and run
-//!   `vpdpbusd`-style kernels (AVX-512 VNNI with AMX tiles, AVX-512 VNNI, AVX-VNNI, AVX2 or
-//!   scalar, chosen at run time, `SEQUOIA_KERNEL_ISA` to force one; all bit-identical);
+//!   `vpdpbusd`-style kernels (AVX-512 VNNI with AMX tiles, AVX-512 VNNI with or without
+//!   GFNI, AVX-VNNI, AVX2 or scalar, chosen at run time, `SEQUOIA_KERNEL_ISA` to force one; all bit-identical);
 //! - the other GGML types use candle's per-pair `vec_dot` with the same loop order.
 //!
 //! The weights are owned by the kernel, and the token embedding reuses them:

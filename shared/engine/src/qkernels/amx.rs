@@ -28,7 +28,8 @@
 use std::arch::asm;
 use std::arch::x86_64::*;
 
-use super::x86::Avx512 as S;
+// The AVX-512 steps around the tiles (scales, epilogues) move no bit fields: no GFNI needed.
+type S = super::x86::Avx512<false>;
 use super::{
     epi32, pf_dist, prefetch, q4k_finish, q6k_unpack, ActK, Format, OutPtr, Packed, Simd, G, Q4K,
     Q6K,
