@@ -84,6 +84,16 @@ struct RmsNorm {
 
 impl RmsNorm {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if x.device().is_cpu() && x.dtype() == DType::F32 && self.weight.dtype() == DType::F32 {
+            // On the engine's threads: candle's op sends every call through rayon's pool (a
+            // wake-up per call, twice per layer). The same arithmetic, so the same bits.
+            let y = super::attention::with_f32(x, |xs| {
+                super::attention::with_f32(&self.weight, |w| {
+                    super::vecmath::rms_norm_rows(xs, w, self.eps)
+                })
+            })??;
+            return Tensor::from_vec(y, x.shape(), x.device());
+        }
         candle_nn::ops::rms_norm(x, &self.weight, self.eps)
     }
 }
@@ -154,16 +164,32 @@ fn project_fused<const N: usize>(
     biases: [&Option<Tensor>; N],
     x: &Tensor,
 ) -> candle_core::Result<Option<[Vec<f32>; N]>> {
+    let mut outs: [Vec<f32>; N] = std::array::from_fn(|_| Vec::new());
+    let done = project_fused_into(lins, biases, x, outs.each_mut())?;
+    Ok(done.then_some(outs))
+}
+
+/// [`project_fused`] into the caller's buffers, resized to `rows × out` each (their old
+/// values are all overwritten, so a reused buffer is not cleared first). False, with the
+/// buffers untouched, when a projection is not on our CPU kernels.
+fn project_fused_into<const N: usize>(
+    lins: [&Linear; N],
+    biases: [&Option<Tensor>; N],
+    x: &Tensor,
+    outs: [&mut Vec<f32>; N],
+) -> candle_core::Result<bool> {
     let mut kernels = Vec::with_capacity(N);
     for lin in lins {
         match lin {
             Linear::CpuQuant(k) => kernels.push(k.as_ref()),
-            _ => return Ok(None),
+            _ => return Ok(false),
         }
     }
     let (rows, _) = x.dims2()?;
-    let mut outs: [Vec<f32>; N] =
-        std::array::from_fn(|i| vec![0f32; rows * kernels[i].out_features()]);
+    let mut outs = outs;
+    for (out, kern) in outs.iter_mut().zip(&kernels) {
+        out.resize(rows * kern.out_features(), 0.0);
+    }
     super::attention::with_f32(x, |xs| {
         let mut jobs: Vec<(&dyn super::qmatmul::QKernel, &mut [f32])> = kernels
             .iter()
@@ -182,7 +208,7 @@ fn project_fused<const N: usize>(
             }
         }
     }
-    Ok(Some(outs))
+    Ok(true)
 }
 
 impl Attention {
@@ -197,28 +223,39 @@ impl Attention {
         let (rows, _) = x.dims2()?;
         let (h, kvh, d) = (self.n_heads, self.n_kv_heads, self.head_dim);
 
-        let [q, k, v] = match project_fused(
+        let (q, k, v) = match project_fused(
             [&self.wq, &self.wk, &self.wv],
             [&self.bq, &self.bk, &self.bv],
             x,
         )? {
-            Some([q, k, v]) => [
-                Tensor::from_vec(q, (rows, h * d), x.device())?,
-                Tensor::from_vec(k, (rows, kvh * d), x.device())?,
-                Tensor::from_vec(v, (rows, kvh * d), x.device())?,
-            ],
-            None => [
-                project(&self.wq, &self.bq, x)?,
-                project(&self.wk, &self.bk, x)?,
-                project(&self.wv, &self.bv, x)?,
-            ],
+            Some([mut q, mut k, v]) => {
+                // Rotated in place, on this thread: candle's rotary op hands every call to
+                // rayon's pool and waits (two wake-ups per layer, on cores our own pool's
+                // workers are spinning on). The same products per element, so the same bits.
+                super::attention::with_f32(step.cos, |cos| {
+                    super::attention::with_f32(step.sin, |sin| {
+                        super::vecmath::rope_in_place(&mut q, h, d, cos, sin);
+                        super::vecmath::rope_in_place(&mut k, kvh, d, cos, sin);
+                    })
+                })??;
+                (
+                    Tensor::from_vec(q, (rows, h, d), x.device())?,
+                    Tensor::from_vec(k, (rows, kvh, d), x.device())?,
+                    Tensor::from_vec(v, (rows, kvh, d), x.device())?,
+                )
+            }
+            None => {
+                let q = project(&self.wq, &self.bq, x)?;
+                let k = project(&self.wk, &self.bk, x)?;
+                let v = project(&self.wv, &self.bv, x)?;
+                // (1, rows, heads, d): the layout rope_thd rotates, no transpose needed first.
+                let q = q.reshape((1, rows, h, d))?;
+                let k = k.reshape((1, rows, kvh, d))?;
+                let q = candle_nn::rotary_emb::rope_thd(&q, step.cos, step.sin)?.squeeze(0)?;
+                let k = candle_nn::rotary_emb::rope_thd(&k, step.cos, step.sin)?.squeeze(0)?;
+                (q, k, v.reshape((rows, kvh, d))?)
+            }
         };
-        // (1, rows, heads, d): the layout rope_thd rotates in place, no transpose needed first.
-        let q = q.reshape((1, rows, h, d))?;
-        let k = k.reshape((1, rows, kvh, d))?;
-        let v = v.reshape((rows, kvh, d))?;
-        let q = candle_nn::rotary_emb::rope_thd(&q, step.cos, step.sin)?.squeeze(0)?;
-        let k = candle_nn::rotary_emb::rope_thd(&k, step.cos, step.sin)?.squeeze(0)?;
 
         let whole = step.segments.len() == 1;
         let mut cpu_out = Vec::new();
@@ -305,8 +342,39 @@ struct Mlp {
     down: Linear,
 }
 
+thread_local! {
+    /// The gate and up outputs of this thread's latest MLP, kept for the next one: filling
+    /// them anew cleared 1.1 MB per layer of a 16-row forward (2–3 % of it, on the calling
+    /// thread alone while the others waited).
+    static GATE_UP: std::cell::RefCell<[Vec<f32>; 2]> = const {
+        std::cell::RefCell::new([Vec::new(), Vec::new()])
+    };
+}
+
+/// Gate/up buffers larger than this (bytes, both together) are freed after use, so that a
+/// long prefill does not leave its outputs on the thread.
+const GATE_UP_KEEP_BYTES: usize = 8 << 20;
+
 impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        if let Linear::CpuQuant(down) = &self.down {
+            let rows = x.dims2()?.0;
+            let y = GATE_UP.with_borrow_mut(|[g, u]| -> candle_core::Result<Option<Vec<f32>>> {
+                if !project_fused_into([&self.gate, &self.up], [&None, &None], x, [g, u])? {
+                    return Ok(None);
+                }
+                // silu(g) ⊙ u made and quantized block by block, on every thread.
+                let mut y = vec![0f32; rows * down.out_features()];
+                down.matmul_silu_mul(rows, g, u, &mut y);
+                if 4 * (g.capacity() + u.capacity()) > GATE_UP_KEEP_BYTES {
+                    (*g, *u) = (Vec::new(), Vec::new());
+                }
+                Ok(Some(y))
+            })?;
+            if let Some(y) = y {
+                return Tensor::from_vec(y, (rows, down.out_features()), x.device());
+            }
+        }
         if let Some([g, u]) = project_fused([&self.gate, &self.up], [&None, &None], x)? {
             // silu(g) ⊙ u in one vectorized pass over the two outputs.
             let rows = x.dims2()?.0;

@@ -371,6 +371,45 @@ fn offset_pair(q: &[i8], c: i32) -> i32 {
 pub(crate) fn quantize_rows<A: ActBlock>(x: &[f32], m: usize, k: usize) -> Vec<A> {
     assert_eq!(x.len(), m * k, "matmul input size");
     assert!(k.is_multiple_of(A::BLOCK));
+    quantize_rows_by(m, k, |r, b| {
+        A::quantize(&x[r * k + b * A::BLOCK..][..A::BLOCK])
+    })
+}
+
+/// [`quantize_rows`] of the rows `silu(g) · u` (`m × k` each) without forming them: each block
+/// of values is made on the stack from `g` and `u` ([`crate::vecmath::silu_mul_into`], the
+/// same values element by element) and quantized there, so the down projection's input is one
+/// pass over the gate and up outputs, on every thread, instead of a serial pass that writes a
+/// third matrix and a second that reads it.
+pub(crate) fn quantize_silu_mul_rows<A: ActBlock>(
+    g: &[f32],
+    u: &[f32],
+    m: usize,
+    k: usize,
+) -> Vec<A> {
+    assert!(
+        g.len() == m * k && u.len() == m * k,
+        "silu_mul input size: gate {}, up {}, expected {m} × {k}",
+        g.len(),
+        u.len()
+    );
+    assert!(k.is_multiple_of(A::BLOCK) && A::BLOCK <= 256);
+    quantize_rows_by(m, k, |r, b| {
+        let at = r * k + b * A::BLOCK;
+        let mut h = [0f32; 256];
+        let h = &mut h[..A::BLOCK];
+        crate::vecmath::silu_mul_into(&g[at..][..A::BLOCK], &u[at..][..A::BLOCK], h);
+        A::quantize(h)
+    })
+}
+
+/// The block-major quantized rows of [`quantize_rows`], block `b` of row `r` made by
+/// `block(r, b)`; rows in parallel from 8 of them.
+fn quantize_rows_by<A: ActBlock>(
+    m: usize,
+    k: usize,
+    block: impl Fn(usize, usize) -> A + Sync,
+) -> Vec<A> {
     let kb = k / A::BLOCK;
     // Written in place, block-major: no per-row vectors to allocate and copy over afterwards
     // (that copy ran on the calling thread alone, between two parallel loops).
@@ -384,9 +423,9 @@ pub(crate) fn quantize_rows<A: ActBlock>(x: &[f32], m: usize, k: usize) -> Vec<A
     let slots = Slots(out.as_mut_ptr());
     let quantize_row = |r: usize| {
         let slots = &slots;
-        for (b, xb) in x[r * k..(r + 1) * k].chunks_exact(A::BLOCK).enumerate() {
+        for b in 0..kb {
             // SAFETY: `b · m + r < m · kb`, written by row r only.
-            unsafe { (*slots.0.add(b * m + r)).write(A::quantize(xb)) };
+            unsafe { (*slots.0.add(b * m + r)).write(block(r, b)) };
         }
     };
     if m >= 8 {

@@ -137,6 +137,11 @@ pub(crate) trait QKernel: Send + Sync + std::fmt::Debug {
     fn dequantize_row(&self, row: usize, dst: &mut [f32]);
     /// Quantize `lhs` (`m × in`) once for [`Self::matmul_quantized`] on this or compatible
     /// kernels (see [`QuantizedInput`]).
+    /// `dst (m × out) = silu(g) ⊙ u · Wᵀ` for the gate and up outputs `g`, `u` (`m × in`
+    /// each): bit for bit [`Self::matmul`] of [`crate::vecmath::silu_mul`]`(g, u)`.
+    fn matmul_silu_mul(&self, m: usize, g: &[f32], u: &[f32], dst: &mut [f32]) {
+        self.matmul(m, &crate::vecmath::silu_mul(g, u), dst);
+    }
     fn quantize_input(&self, m: usize, lhs: &[f32]) -> QuantizedInput {
         assert_eq!(lhs.len(), m * self.in_features(), "matmul input size");
         QuantizedInput::Raw {
@@ -381,6 +386,11 @@ where
 
     fn dequantize_row(&self, row: usize, dst: &mut [f32]) {
         self.w.dequantize_row(row, dst);
+    }
+
+    fn matmul_silu_mul(&self, m: usize, g: &[f32], u: &[f32], dst: &mut [f32]) {
+        let acts = qkernels::quantize_silu_mul_rows::<F::Act>(g, u, m, self.w.k);
+        self.matmul_acts(qkernels::isa(), &acts, m, dst);
     }
 
     fn quantize_input(&self, m: usize, lhs: &[f32]) -> QuantizedInput {
@@ -918,6 +928,43 @@ mod tests {
         check::<qkernels::Q6KLines>(GgmlDType::Q6K);
         check::<qkernels::Q5_0>(GgmlDType::Q5_0);
         check::<qkernels::Q5_0Lines>(GgmlDType::Q5_0);
+        check::<qkernels::Q8_0>(GgmlDType::Q8_0);
+        check::<qkernels::Q4_1>(GgmlDType::Q4_1);
+    }
+
+    /// The MLP's fused down projection (`silu(g) ⊙ u` made and quantized block by block)
+    /// equals the matmul of the product formed first, bit for bit, for every format and row
+    /// count (1 row quantizes on the calling thread, 8 and more in parallel), with gate values
+    /// of both signs and large magnitudes.
+    #[test]
+    fn fused_silu_mul_matmul_equals_the_matmul_of_the_product() {
+        fn check<F: Format>(dtype: GgmlDType)
+        where
+            F::Act: InputActs,
+        {
+            let (n, k) = (37, 2560);
+            let kern = packed_kernel::<F>(dtype, n, k);
+            for m in [1usize, 3, 8, 13] {
+                let mut g = inputs(m, k);
+                for (i, v) in g.iter_mut().enumerate().step_by(97) {
+                    *v = if i % 2 == 0 { 90.0 } else { -90.0 };
+                }
+                let u = inputs(m, k);
+                let mut want = vec![0f32; m * n];
+                kern.matmul(m, &crate::vecmath::silu_mul(&g, &u), &mut want);
+                let mut got = vec![f32::NAN; m * n];
+                kern.matmul_silu_mul(m, &g, &u, &mut got);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        a.to_bits() == b.to_bits(),
+                        "{dtype:?} m={m} output {i}: fused {a} vs {b}"
+                    );
+                }
+            }
+        }
+        check::<qkernels::Q4K>(GgmlDType::Q4K);
+        check::<qkernels::Q6K>(GgmlDType::Q6K);
+        check::<qkernels::Q5_0>(GgmlDType::Q5_0);
         check::<qkernels::Q8_0>(GgmlDType::Q8_0);
         check::<qkernels::Q4_1>(GgmlDType::Q4_1);
     }

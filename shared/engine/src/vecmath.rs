@@ -79,19 +79,162 @@ pub(crate) fn sum_exp(xs: &[f32], max: f32) -> f32 {
 /// tree forward.
 pub(crate) fn silu_mul(g: &[f32], u: &[f32]) -> Vec<f32> {
     assert_eq!(g.len(), u.len(), "silu_mul: gate and up widths differ");
-    g.iter()
-        .zip(u)
-        .map(|(&g, &u)| {
-            let t = exp_nonpositive(-g.abs());
-            let num = if g >= 0.0 { g } else { g * t };
-            num / (1.0 + t) * u
-        })
-        .collect()
+    g.iter().zip(u).map(|(&g, &u)| silu_times(g, u)).collect()
+}
+
+/// [`silu_mul`] into `out` (the same values, element by element).
+pub(crate) fn silu_mul_into(g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(
+        g.len() == u.len() && u.len() == out.len(),
+        "silu_mul: gate, up and output widths differ"
+    );
+    for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+        *o = silu_times(g, u);
+    }
+}
+
+/// RMS norm of each row of `x` (rows of `w.len()` values), times `w`: candle's CPU
+/// `rms_norm`, the same operations in the same order (a sequential sum of squares, then
+/// `x / sqrt(mean + eps) · w` per element), so the same bits. Rows go over the engine's
+/// threads from 8 of them.
+pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let dim = w.len();
+    assert!(
+        dim > 0 && x.len().is_multiple_of(dim),
+        "rms_norm: rows of {dim}"
+    );
+    let rows = x.len() / dim;
+    let mut out = vec![0f32; x.len()];
+    let norm_row = |src: &[f32], dst: &mut [f32]| {
+        let sum2 = src.iter().map(|&v| v * v).sum::<f32>();
+        let m = (sum2 / dim as f32 + eps).sqrt();
+        for ((d, s), a) in dst.iter_mut().zip(src).zip(w) {
+            *d = *s / m * *a
+        }
+    };
+    if rows < 8 {
+        for (src, dst) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+            norm_row(src, dst);
+        }
+        return out;
+    }
+    struct Rows(*mut f32);
+    // SAFETY: each task writes only its own row of the buffer, which outlives the loop.
+    unsafe impl Sync for Rows {}
+    let dst = Rows(out.as_mut_ptr());
+    crate::parallel::for_each(rows, |r| {
+        let dst = &dst;
+        // SAFETY: row `r` of `out`, written by this task only.
+        let row = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * dim), dim) };
+        norm_row(&x[r * dim..(r + 1) * dim], row);
+    });
+    out
+}
+
+/// Rotary embedding of `x` (`rows × heads × d`, row-major) in place, with `cos`, `sin` the
+/// `rows × d/2` tables at the rows' positions: candle's `rope_thd`, the same two products and
+/// one sum or difference per element, so the same bits.
+pub(crate) fn rope_in_place(x: &mut [f32], heads: usize, d: usize, cos: &[f32], sin: &[f32]) {
+    let half = d / 2;
+    assert!(
+        d.is_multiple_of(2) && x.len().is_multiple_of(heads * d),
+        "rope: rows of {heads} × {d}"
+    );
+    let rows = x.len() / (heads * d);
+    assert!(
+        cos.len() == rows * half && sin.len() == rows * half,
+        "rope: tables for {rows} rows"
+    );
+    for (t, row) in x.chunks_exact_mut(heads * d).enumerate() {
+        let (c, s) = (&cos[t * half..][..half], &sin[t * half..][..half]);
+        for head in row.chunks_exact_mut(d) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x1, x2) = (a[i], b[i]);
+                a[i] = x1 * c[i] - x2 * s[i];
+                b[i] = x1 * s[i] + x2 * c[i];
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn silu_times(g: f32, u: f32) -> f32 {
+    let t = exp_nonpositive(-g.abs());
+    let num = if g >= 0.0 { g } else { g * t };
+    num / (1.0 + t) * u
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::{Device, Tensor};
+
+    fn randn(n: usize, scale: f32) -> Vec<f32> {
+        let t = Tensor::randn(0f32, scale, n, &Device::Cpu).unwrap();
+        t.to_vec1().unwrap()
+    }
+
+    /// Our RMS norm gives candle's CPU op's bits, on the calling thread (under 8 rows) and
+    /// over the engine's threads.
+    #[test]
+    fn rms_norm_rows_equals_candles_bit_for_bit() {
+        let dim = 1536;
+        let w = randn(dim, 1.0);
+        for rows in [1usize, 3, 8, 21] {
+            let x = randn(rows * dim, 3.0);
+            let want: Vec<f32> = candle_nn::ops::rms_norm(
+                &Tensor::from_vec(x.clone(), (rows, dim), &Device::Cpu).unwrap(),
+                &Tensor::from_vec(w.clone(), dim, &Device::Cpu).unwrap(),
+                1e-6,
+            )
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+            let got = rms_norm_rows(&x, &w, 1e-6);
+            assert_eq!(got.len(), want.len());
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits(),
+                    "rows {rows}, element {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
+
+    /// Our in-place rotary embedding gives candle's `rope_thd` bits.
+    #[test]
+    fn rope_in_place_equals_candles_bit_for_bit() {
+        let (heads, d) = (6, 128);
+        for rows in [1usize, 5, 16] {
+            let x = randn(rows * heads * d, 2.0);
+            let angles: Vec<f32> = (0..rows * d / 2).map(|i| 0.37 * i as f32).collect();
+            let cos: Vec<f32> = angles.iter().map(|a| a.cos()).collect();
+            let sin: Vec<f32> = angles.iter().map(|a| a.sin()).collect();
+            let table = |v: &Vec<f32>| Tensor::from_vec(v.clone(), (rows, d / 2), &Device::Cpu);
+            let want: Vec<f32> = candle_nn::rotary_emb::rope_thd(
+                &Tensor::from_vec(x.clone(), (1, rows, heads, d), &Device::Cpu).unwrap(),
+                &table(&cos).unwrap(),
+                &table(&sin).unwrap(),
+            )
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+            let mut got = x.clone();
+            rope_in_place(&mut got, heads, d, &cos, &sin);
+            assert_ne!(got, x, "rotated");
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    a.to_bits() == b.to_bits(),
+                    "rows {rows}, element {i}: {a} vs {b}"
+                );
+            }
+        }
+    }
 
     /// The polynomial exponential stays within 2 ulp of the library's over the range scores
     /// minus their max take, and is 0 for −∞.
