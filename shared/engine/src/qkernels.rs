@@ -21,7 +21,8 @@
 //! `−offset · Σx`, Q4_K's mins through one `vpdpwssd` per pair of sub-blocks. Where sums run in
 //! i32 lanes, the K-quants' sub-block scales are applied by one `vpdpwssd` per accumulator,
 //! which needs the accumulator in i16 range: Q6_K's accumulators span half a sub-block and
-//! Q4_K's start at `−8 · Σx` (see [`scale_chains`]). All integer sums
+//! Q4_K's start at `−8 · Σx` (see [`scale_chains`]), unless the block's activations are small
+//! enough for whole Q6_K sub-blocks and raw Q4_K weights ([`ActK::fits`]). All integer sums
 //! are exact on every path; the float epilogue (one or two FMAs per block and row, blocks in k
 //! order) is the same sequence of operations on every ISA, so a row's result is bit-identical
 //! for any batch size, any position in its row tile and any ISA path.
@@ -173,6 +174,11 @@ pub(crate) struct ActK {
     /// `−32 · Σ qs` over each 8 values: Q6_K's accumulators start here, one per half
     /// sub-block, so each ends in i16 range (see [`scale_chains`]).
     init8: [i32; 32],
+    /// `−32 · Σ qs` over each 16 values: Q6_K's accumulators start here, one per sub-block,
+    /// where [`FITS_Q6K_WHOLE`] says a whole sub-block's sum stays in i16 range.
+    init16: [i32; 16],
+    /// [`FITS_Q4K_RAW`], [`FITS_Q6K_WHOLE`]: which shorter paths this block's values allow.
+    fits: u32,
     /// `−8 · Σ qs` over each 32 values: Q4_K's sub-block accumulators start here (weights
     /// taken as `q − 8`, so each ends in i16 range), undone by [`Self::bs32p8`].
     init32: [i32; 8],
@@ -185,6 +191,24 @@ pub(crate) struct ActK {
     /// `−32 · Σ qs` of the values at `k ≡ 0, 1 (mod 4)` and of those at `k ≡ 2, 3`, as an i16
     /// pair in one i32 (the two halves of a `maddubs` lane).
     off16p: [i32; 16],
+}
+
+/// [`ActK::fits`]: every 32 values have `Σ |qs| ≤ 2184`, so a Q4_K sub-block's dot of raw
+/// weights (0–15) stays within `15 · 2184 = 32,760`, inside i16: its chains need no `−8 · Σx`
+/// start and the block no correction ([`q4k_pair`]).
+const FITS_Q4K_RAW: u32 = 1;
+/// [`ActK::fits`]: every 16 values have `Σ |qs| ≤ 1023`, so a whole Q6_K sub-block's dot of
+/// `q − 32` stays within `32 · 1023 = 32,736`: one chain and one scale step per sub-block
+/// instead of one per half ([`q6k_pair`], [`q6k_quad`]).
+const FITS_Q6K_WHOLE: u32 = 2;
+
+/// Whether every row of a tile has the [`ActK::fits`] bit `bit` for this block. The shorter
+/// paths give the same integer sums, so which one a tile takes never changes a bit of the
+/// result; a tile takes one only where all its rows allow it.
+#[inline(always)]
+unsafe fn all_fit<const R: usize>(acts: &[*const ActK; R], bit: u32) -> bool {
+    // SAFETY: live activation blocks (caller).
+    acts.iter().all(|&a| unsafe { (*a).fits } & bit != 0)
 }
 
 /// 32 input values as int8 with one scale.
@@ -283,6 +307,22 @@ pub(crate) trait ActBlock: Copy + Send + Sync + std::fmt::Debug + 'static {
     fn d(&self) -> f32;
 }
 
+#[cfg(test)]
+impl ActK {
+    /// Which shorter paths this block allows ([`FITS_Q4K_RAW`], [`FITS_Q6K_WHOLE`]).
+    pub(crate) fn fits(&self) -> (bool, bool) {
+        (
+            self.fits & FITS_Q4K_RAW != 0,
+            self.fits & FITS_Q6K_WHOLE != 0,
+        )
+    }
+
+    /// Forbid the shorter paths: the kernels then take the long ones on this block.
+    pub(crate) fn forbid_short_paths(&mut self) {
+        self.fits = 0;
+    }
+}
+
 impl ActBlock for ActK {
     fn d(&self) -> f32 {
         self.d
@@ -293,6 +333,8 @@ impl ActBlock for ActK {
             qs: [0; 256],
             d: 0.0,
             init8: [0; 32],
+            init16: [0; 16],
+            fits: 0,
             init32: [0; 8],
             bs32p: [0; 4],
             bs32p8: [0; 4],
@@ -305,6 +347,21 @@ impl ActBlock for ActK {
         }
         for (i, s) in s8.iter().enumerate() {
             a.init8[i] = -32 * s;
+        }
+        for i in 0..16 {
+            a.init16[i] = a.init8[2 * i] + a.init8[2 * i + 1];
+        }
+        let abs_sums = |n: usize| {
+            a.qs.chunks_exact(n)
+                .map(|q| q.iter().map(|&v| (v as i32).abs()).sum::<i32>())
+                .max()
+                .unwrap_or(0)
+        };
+        if abs_sums(32) <= 2184 {
+            a.fits |= FITS_Q4K_RAW;
+        }
+        if abs_sums(16) <= 1023 {
+            a.fits |= FITS_Q6K_WHOLE;
         }
         for j in 0..16 {
             a.off16p[j] = offset_pair(&a.qs[16 * j..16 * (j + 1)], -32);
@@ -1505,8 +1562,12 @@ unsafe fn q4k_sub<S: Simd, const R: usize, const HI: bool>(
 /// of 4 rows ran at 29 % of the peak, paired at 40 % (8 rows: 40 → 47 %; Xeon family 6 model
 /// 207, weights in cache). Integer sums only, so the result equals two [`q4k_sub`] calls
 /// exactly. i32 chains only (weights as `q − 8`, see [`scale_chains`]).
+///
+/// `RAW` (every row [`FITS_Q4K_RAW`]): the chains start at 0 and take the weights as they are,
+/// and the block adds nothing back ([`q4k_finish`]'s `offset`): the same sums, 4 `vpdpwssd` per
+/// row and block fewer.
 #[inline(always)]
-unsafe fn q4k_pair<S: Simd, const R: usize>(
+unsafe fn q4k_pair<S: Simd, const R: usize, const RAW: bool>(
     main: *const u8,
     j: usize,
     half: usize,
@@ -1516,8 +1577,14 @@ unsafe fn q4k_pair<S: Simd, const R: usize>(
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
         let m4 = S::set1_i8(0x0F);
-        let mut lo = start_at::<S, R>(acts, |a| &a.init32, j);
-        let mut hi = start_at::<S, R>(acts, |a| &a.init32, 4 + j);
+        let (mut lo, mut hi) = if RAW {
+            ([S::zero(); R], [S::zero(); R])
+        } else {
+            (
+                start_at::<S, R>(acts, |a| &a.init32, j),
+                start_at::<S, R>(acts, |a| &a.init32, 4 + j),
+            )
+        };
         for t in 0..8 {
             let c = 8 * j + t;
             let v = S::load(main.add(64 * c + 32 * half));
@@ -1571,8 +1638,10 @@ unsafe fn q6k_unpack<S: Simd>(v: S::I, hv: S::I, q: usize) -> S::I {
 /// line and each high-bit line is loaded once for all of them (3 loads per 4 k-groups, against
 /// 8 in [`q6k_sub`]). The accumulators restart at each half sub-block ([`scale_chains`]).
 /// Integer sums only, so the result equals [`q6k_sub`]'s exactly.
+///
+/// `WHOLE` (every row [`FITS_Q6K_WHOLE`]): one chain per sub-block, from [`ActK::init16`].
 #[inline(always)]
-unsafe fn q6k_quad<S: Simd, const R: usize>(
+unsafe fn q6k_quad<S: Simd, const R: usize, const WHOLE: bool>(
     main: *const u8,
     j: usize,
     half: usize,
@@ -1582,10 +1651,17 @@ unsafe fn q6k_quad<S: Simd, const R: usize>(
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
         let sc: [S::I; 4] = std::array::from_fn(|q| q6k_scale::<S>(main, 4 * q + j, half));
-        for h in 0..2 {
-            let mut a: [[S::I; R]; 4] =
-                std::array::from_fn(|q| start_at::<S, R>(acts, |a| &a.init8, 2 * (4 * q + j) + h));
-            for t in 2 * h..2 * h + 2 {
+        // Chains over half a sub-block (2 lines) each, or over whole ones (4 lines).
+        let (passes, lines) = if WHOLE { (1, 4) } else { (2, 2) };
+        for h in 0..passes {
+            let mut a: [[S::I; R]; 4] = std::array::from_fn(|q| {
+                if WHOLE {
+                    start_at::<S, R>(acts, |a| &a.init16, 4 * q + j)
+                } else {
+                    start_at::<S, R>(acts, |a| &a.init8, 2 * (4 * q + j) + h)
+                }
+            });
+            for t in lines * h..lines * h + lines {
                 let l = 4 * j + t;
                 let hv = S::load(main.add(2048 + 64 * l + 32 * half));
                 let va = S::load(main.add(64 * l + 32 * half));
@@ -1611,8 +1687,11 @@ unsafe fn q6k_quad<S: Simd, const R: usize>(
 /// both, with two independent accumulators per row (see [`q4k_pair`] for why that matters),
 /// restarted at each half sub-block ([`scale_chains`]). Integer sums only, so the result
 /// equals two [`q6k_sub`] calls exactly.
+///
+/// `WHOLE` (every row [`FITS_Q6K_WHOLE`]): one chain per sub-block, from [`ActK::init16`],
+/// and one scale step where there were two.
 #[inline(always)]
-unsafe fn q6k_pair<S: Simd, const R: usize, const P: usize>(
+unsafe fn q6k_pair<S: Simd, const R: usize, const P: usize, const WHOLE: bool>(
     main: *const u8,
     j: usize,
     half: usize,
@@ -1626,10 +1705,20 @@ unsafe fn q6k_pair<S: Simd, const R: usize, const P: usize>(
             q6k_scale::<S>(main, sa, half),
             q6k_scale::<S>(main, sb, half),
         );
-        for h in 0..2 {
-            let mut a = start_at::<S, R>(acts, |a| &a.init8, 2 * sa + h);
-            let mut b = start_at::<S, R>(acts, |a| &a.init8, 2 * sb + h);
-            for t in 2 * h..2 * h + 2 {
+        let (passes, lines) = if WHOLE { (1, 4) } else { (2, 2) };
+        for h in 0..passes {
+            let (mut a, mut b) = if WHOLE {
+                (
+                    start_at::<S, R>(acts, |a| &a.init16, sa),
+                    start_at::<S, R>(acts, |a| &a.init16, sb),
+                )
+            } else {
+                (
+                    start_at::<S, R>(acts, |a| &a.init8, 2 * sa + h),
+                    start_at::<S, R>(acts, |a| &a.init8, 2 * sb + h),
+                )
+            };
+            for t in lines * h..lines * h + lines {
                 let l = 4 * j + t;
                 let v = S::load(main.add(64 * (16 * P + l) + 32 * half));
                 let hv = S::load(main.add(2048 + 64 * l + 32 * half));
@@ -1824,12 +1913,18 @@ impl Format for Q4K {
         // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
         unsafe {
             let mut sumi = [S::zero(); R];
+            // Raw chains where every row's values allow it (the paired loop only).
+            let raw = S::LANES == 16 && !S::I16_SUMS && all_fit(acts, FITS_Q4K_RAW);
             if S::LANES == 16 {
                 // 32 registers hold two accumulators per row (16 for the 256-bit paths would
                 // spill).
                 for j in 0..4 {
                     pf.part(j, 4, Self::MAIN);
-                    q4k_pair::<S, R>(main, j, half, acts, &mut sumi);
+                    if raw {
+                        q4k_pair::<S, R, true>(main, j, half, acts, &mut sumi);
+                    } else {
+                        q4k_pair::<S, R, false>(main, j, half, acts, &mut sumi);
+                    }
                 }
             } else {
                 for j in 0..4 {
@@ -1841,7 +1936,7 @@ impl Format for Q4K {
                     q4k_sub::<S, R, true>(main, j, half, acts, &mut sumi);
                 }
             }
-            q4k_finish::<S, R>(main, aux, half, acts, &sumi, out);
+            q4k_finish::<S, R>(main, aux, half, acts, &sumi, out, !raw);
         }
     }
 }
@@ -1859,12 +1954,13 @@ unsafe fn q4k_finish<S: Simd, const R: usize>(
     acts: &[*const ActK; R],
     sumi: &[S::I; R],
     out: &mut [S::F; R],
+    offset: bool,
 ) {
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
         let lanes = S::LANES;
         let mut sumi = *sumi;
-        if !S::I16_SUMS {
+        if offset && !S::I16_SUMS {
             // The i32 chains took the weights as `q − 8` ([`scale_chains`]): add back
             // `8 · Σ_j scale_j · Σx_j`, one `vpdpwssd` per pair of sub-blocks.
             for p in 0..4 {
@@ -1983,14 +2079,25 @@ impl Format for Q6K {
         unsafe {
             let lanes = S::LANES;
             let mut sumi = [S::zero(); R];
+            // Whole-sub-block chains where every row's values allow it.
+            let whole = !S::I16_SUMS && all_fit(acts, FITS_Q6K_WHOLE);
             if R > Q6K_QUAD_MAX_R && S::LANES == 16 && !S::I16_SUMS {
-                for j in 0..4 {
-                    pf.part(j, 8, Self::MAIN);
-                    q6k_pair::<S, R, 0>(main, j, half, acts, &mut sumi);
+                macro_rules! pairs {
+                    ($whole:literal) => {
+                        for j in 0..4 {
+                            pf.part(j, 8, Self::MAIN);
+                            q6k_pair::<S, R, 0, $whole>(main, j, half, acts, &mut sumi);
+                        }
+                        for j in 0..4 {
+                            pf.part(4 + j, 8, Self::MAIN);
+                            q6k_pair::<S, R, 1, $whole>(main, j, half, acts, &mut sumi);
+                        }
+                    };
                 }
-                for j in 0..4 {
-                    pf.part(4 + j, 8, Self::MAIN);
-                    q6k_pair::<S, R, 1>(main, j, half, acts, &mut sumi);
+                if whole {
+                    pairs!(true);
+                } else {
+                    pairs!(false);
                 }
             } else if R > Q6K_QUAD_MAX_R * S::LANES / 16 || S::I16_SUMS {
                 for j in 0..4 {
@@ -2010,7 +2117,11 @@ impl Format for Q6K {
             } else {
                 for j in 0..4 {
                     pf.part(j, 4, Self::MAIN);
-                    q6k_quad::<S, R>(main, j, half, acts, &mut sumi);
+                    if whole {
+                        q6k_quad::<S, R, true>(main, j, half, acts, &mut sumi);
+                    } else {
+                        q6k_quad::<S, R, false>(main, j, half, acts, &mut sumi);
+                    }
                 }
             }
             epi32::<S, _, R>(S::load_f16(aux.add(2 * lanes * half)), &sumi, acts, out);

@@ -932,6 +932,55 @@ mod tests {
         check::<qkernels::Q4_1>(GgmlDType::Q4_1);
     }
 
+    /// The shorter Q4_K and Q6_K paths that activations with small enough sums allow (raw
+    /// Q4_K chains without the `−8 · Σx` start and correction; whole-sub-block Q6_K chains)
+    /// give the long paths' bits on every ISA path and row count. Normal inputs allow them on
+    /// most blocks (checked, so the test exercises them); inputs at ±127 allow neither.
+    #[test]
+    fn short_k_quant_paths_equal_the_long_ones_bit_for_bit() {
+        use qkernels::ActK;
+        fn check<F: Format<Act = ActK>>(dtype: GgmlDType, want_q4: bool) {
+            let (n, k) = (37, 2560);
+            let kern = packed_kernel::<F>(dtype, n, k);
+            for m in [1usize, 3, 5, 8, 13] {
+                let x = inputs(m, k);
+                let short = qkernels::quantize_rows::<ActK>(&x, m, k);
+                let allowed = short
+                    .iter()
+                    .filter(|a| if want_q4 { a.fits().0 } else { a.fits().1 })
+                    .count();
+                assert!(
+                    2 * allowed > short.len(),
+                    "{dtype:?}: only {allowed} of {} blocks take the short path",
+                    short.len()
+                );
+                let mut long = short.clone();
+                long.iter_mut().for_each(ActK::forbid_short_paths);
+                for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
+                    let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
+                    kern.matmul_acts(isa, &short, m, &mut a);
+                    kern.matmul_acts(isa, &long, m, &mut b);
+                    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                        assert!(
+                            a.to_bits() == b.to_bits(),
+                            "{dtype:?} {isa:?} m={m} output {i}: short {a} vs long {b}"
+                        );
+                    }
+                }
+            }
+            let extreme: Vec<f32> = (0..k)
+                .map(|i| if i % 3 == 0 { -4.0 } else { 4.0 })
+                .collect();
+            let acts = qkernels::quantize_rows::<ActK>(&extreme, 1, k);
+            assert!(
+                acts.iter().all(|a| a.fits() == (false, false)),
+                "±127 inputs"
+            );
+        }
+        check::<qkernels::Q4K>(GgmlDType::Q4K, true);
+        check::<qkernels::Q6K>(GgmlDType::Q6K, false);
+    }
+
     /// The MLP's fused down projection (`silu(g) ⊙ u` made and quantized block by block)
     /// equals the matmul of the product formed first, bit for bit, for every format and row
     /// count (1 row quantizes on the calling thread, 8 and more in parallel), with gate values

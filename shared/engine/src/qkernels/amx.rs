@@ -235,7 +235,7 @@ impl TileFormat for Q4K {
         out: &mut [__m512; R],
     ) {
         // SAFETY: the caller's contract.
-        unsafe { q4k_finish::<S, R>(main, aux, 0, acts, sumi, out) }
+        unsafe { q4k_finish::<S, R>(main, aux, 0, acts, sumi, out, true) }
     }
 }
 
