@@ -180,7 +180,8 @@ pub(crate) struct ActK {
     /// [`FITS_Q4K_RAW`], [`FITS_Q6K_WHOLE`]: which shorter paths this block's values allow.
     fits: u32,
     /// `−8 · Σ qs` over each 32 values: Q4_K's sub-block accumulators start here (weights
-    /// taken as `q − 8`, so each ends in i16 range), undone by [`Self::bs32p8`].
+    /// taken as `q − 8`, so each ends in i16 range), undone by [`Self::bs32p8`]; not used where
+    /// [`FITS_Q4K_RAW`] holds.
     init32: [i32; 8],
     /// Σ qs over each 32 values as i16 pairs `(s[2p], s[2p+1])` in one i32 (Q4_K's mins).
     bs32p: [i32; 4],
