@@ -359,7 +359,15 @@ impl Mlp {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         if let Linear::CpuQuant(down) = &self.down {
             let rows = x.dims2()?.0;
-            let y = GATE_UP.with_borrow_mut(|[g, u]| -> candle_core::Result<Option<Vec<f32>>> {
+            let y = GATE_UP.with(|kept| -> candle_core::Result<Option<Vec<f32>>> {
+                // A forward nested in another on this thread (none is today: the engine's
+                // parallel tasks never run one) would take buffers of its own, not panic.
+                let mut fresh = [Vec::new(), Vec::new()];
+                let mut kept = kept.try_borrow_mut();
+                let [g, u] = match kept.as_deref_mut() {
+                    Ok(bufs) => bufs,
+                    Err(_) => &mut fresh,
+                };
                 if !project_fused_into([&self.gate, &self.up], [&None, &None], x, [g, u])? {
                     return Ok(None);
                 }
