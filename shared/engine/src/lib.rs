@@ -66,6 +66,20 @@ pub mod tokenizer;
 mod vecmath;
 mod weights;
 
+/// Helpers the engine's unit tests share.
+#[cfg(test)]
+pub(crate) mod test_util {
+    /// `got` and `want` hold the same floats bit for bit (−0 and +0 differ); `what` names the
+    /// case in the failure message.
+    #[track_caller]
+    pub(crate) fn assert_same_bits(got: &[f32], want: &[f32], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+            panic!("{what}, element {i}: {} vs {}", got[i], want[i]);
+        }
+    }
+}
+
 use std::sync::OnceLock;
 
 pub use cache::KvCache;

@@ -352,16 +352,17 @@ impl ActBlock for ActK {
         for i in 0..16 {
             a.init16[i] = a.init8[2 * i] + a.init8[2 * i + 1];
         }
-        let abs_sums = |n: usize| {
-            a.qs.chunks_exact(n)
-                .map(|q| q.iter().map(|&v| (v as i32).abs()).sum::<i32>())
-                .max()
-                .unwrap_or(0)
-        };
-        if abs_sums(32) <= 2184 {
+        // Σ|qs| over each 16 values, and over each 32 as pairs of those.
+        let abs16: [i32; 16] = std::array::from_fn(|i| {
+            a.qs[16 * i..16 * (i + 1)]
+                .iter()
+                .map(|&v| (v as i32).abs())
+                .sum()
+        });
+        if abs16.chunks_exact(2).all(|p| p[0] + p[1] <= 2184) {
             a.fits |= FITS_Q4K_RAW;
         }
-        if abs_sums(16) <= 1023 {
+        if abs16.iter().all(|&s| s <= 1023) {
             a.fits |= FITS_Q6K_WHOLE;
         }
         for j in 0..16 {
@@ -501,6 +502,31 @@ fn quantize_rows_by<A: ActBlock>(
 // ---------------------------------------------------------------------------------------------
 // SIMD abstraction: `I` holds LANES i32 lanes (= 4·LANES bytes), `F` LANES f32.
 
+/// [`Simd::hi_nibbles`] in two instructions: a 16-bit shift (which pulls in the next byte's
+/// bits) and a mask.
+#[inline(always)]
+unsafe fn hi_nibbles_by_shift<S: Simd>(v: S::I) -> S::I {
+    // SAFETY: the CPU supports `S` (caller).
+    unsafe { S::and(S::shr16(v, 4), S::set1_i8(0x0F)) }
+}
+
+/// [`Simd::q6k_field`] by a mask and a shift (the mask alone for `q = 2`). Masking to the field
+/// and the one two bits from it (0x33, 0xCC) leaves only zeros where the 16-bit shifts land in
+/// bits 6–7.
+#[inline(always)]
+unsafe fn q6k_field_by_shift<S: Simd>(hv: S::I, q: usize) -> S::I {
+    // SAFETY: the CPU supports `S` (caller).
+    unsafe {
+        let h = S::and(hv, S::set1_i8(if q % 2 == 0 { 0x33 } else { 0xCCu8 as i8 }));
+        match q {
+            0 => S::shl16(h, 4),
+            1 => S::shl16(h, 2),
+            2 => h,
+            _ => S::shr16(h, 2),
+        }
+    }
+}
+
 /// One lane width of one ISA. The kernels are written once against this trait; every method is
 /// exact in integers, and the float methods are the IEEE operations named (no reassociation).
 pub(crate) trait Simd: Copy {
@@ -532,34 +558,20 @@ pub(crate) trait Simd: Copy {
     /// Logical shifts of 16-bit lanes.
     unsafe fn shr16(a: Self::I, s: u32) -> Self::I;
     unsafe fn shl16(a: Self::I, s: u32) -> Self::I;
-    /// Each byte's high nibble as its value, 0–15. Two instructions (a 16-bit shift, which
-    /// pulls in the next byte's bits, and a mask); one where GFNI moves bits within bytes.
+    /// Each byte's high nibble as its value, 0–15: [`hi_nibbles_by_shift`], or one
+    /// instruction where GFNI moves bits within bytes.
     #[inline(always)]
     unsafe fn hi_nibbles(v: Self::I) -> Self::I {
         // SAFETY: the CPU supports `Self` (caller).
-        unsafe { Self::and(Self::shr16(v, 4), Self::set1_i8(0x0F)) }
+        unsafe { hi_nibbles_by_shift::<Self>(v) }
     }
     /// Q6_K's high-bit lines: field `q` (bits `2q`, `2q + 1`) of each byte at bits 4–5, zeros
     /// at bits 6–7; bits 0–3 are left unspecified, for a select that takes them from elsewhere
-    /// ([`q6k_unpack`]). A mask and a shift (one of them for `q = 2`); one instruction with
-    /// GFNI.
+    /// ([`q6k_unpack`]). [`q6k_field_by_shift`], or one instruction with GFNI.
     #[inline(always)]
     unsafe fn q6k_field(hv: Self::I, q: usize) -> Self::I {
         // SAFETY: the CPU supports `Self` (caller).
-        unsafe {
-            // Masking to the field and the one two bits from it (0x33, 0xCC) leaves only zeros
-            // where the 16-bit shifts land in bits 6–7.
-            let h = Self::and(
-                hv,
-                Self::set1_i8(if q % 2 == 0 { 0x33 } else { 0xCCu8 as i8 }),
-            );
-            match q {
-                0 => Self::shl16(h, 4),
-                1 => Self::shl16(h, 2),
-                2 => h,
-                _ => Self::shr16(h, 2),
-            }
-        }
+        unsafe { q6k_field_by_shift::<Self>(hv, q) }
     }
     /// `acc + Σ₄ u8(a) · i8(b)` per i32 lane.
     unsafe fn dpbusd(acc: Self::I, a: Self::I, b: Self::I) -> Self::I;
@@ -865,27 +877,24 @@ mod x86 {
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
         unsafe fn hi_nibbles(v: __m512i) -> __m512i {
-            if GFNI {
-                // SAFETY: `Avx512<true>` runs only where the CPU has GFNI.
-                unsafe { gf2p8affine(v, HI_NIBBLE) }
-            } else {
-                _mm512_and_si512(_mm512_srli_epi16::<4>(v), _mm512_set1_epi8(0x0F))
+            // SAFETY: `Avx512<true>` runs only where the CPU has GFNI; AVX-512 checked.
+            unsafe {
+                if GFNI {
+                    gf2p8affine(v, HI_NIBBLE)
+                } else {
+                    hi_nibbles_by_shift::<Self>(v)
+                }
             }
         }
         #[inline]
         #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
         unsafe fn q6k_field(hv: __m512i, q: usize) -> __m512i {
-            if GFNI {
-                // SAFETY: as above.
-                unsafe { gf2p8affine(hv, field_to_bits45(q)) }
-            } else {
-                let m = _mm512_set1_epi8(if q % 2 == 0 { 0x33 } else { 0xCCu8 as i8 });
-                let h = _mm512_and_si512(hv, m);
-                match q {
-                    0 => _mm512_slli_epi16::<4>(h),
-                    1 => _mm512_slli_epi16::<2>(h),
-                    2 => h,
-                    _ => _mm512_srli_epi16::<2>(h),
+            // SAFETY: as above.
+            unsafe {
+                if GFNI {
+                    gf2p8affine(hv, field_to_bits45(q))
+                } else {
+                    q6k_field_by_shift::<Self>(hv, q)
                 }
             }
         }
@@ -3314,7 +3323,8 @@ pub(crate) fn isa() -> Isa {
 // ---------------------------------------------------------------------------------------------
 // Output.
 
-/// The row-major `m × n` output of a matmul, shared by the tasks that fill disjoint columns.
+/// A row-major `m × n` output shared by parallel tasks that fill disjoint parts of it (a
+/// matmul's column groups, a row-wise step's rows).
 #[derive(Clone, Copy)]
 pub(crate) struct OutPtr {
     ptr: *mut f32,

@@ -960,12 +960,8 @@ mod tests {
                     let (mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * n]);
                     kern.matmul_acts(isa, &short, m, &mut a);
                     kern.matmul_acts(isa, &long, m, &mut b);
-                    for (i, (a, b)) in a.iter().zip(&b).enumerate() {
-                        assert!(
-                            a.to_bits() == b.to_bits(),
-                            "{dtype:?} {isa:?} m={m} output {i}: short {a} vs long {b}"
-                        );
-                    }
+                    let what = format!("{dtype:?} {isa:?} m={m}, short path vs long");
+                    crate::test_util::assert_same_bits(&a, &b, &what);
                 }
             }
             let extreme: Vec<f32> = (0..k)
@@ -1003,12 +999,8 @@ mod tests {
                 kern.matmul(m, &crate::vecmath::silu_mul(&g, &u), &mut want);
                 let mut got = vec![f32::NAN; m * n];
                 kern.matmul_silu_mul(m, &g, &u, &mut got);
-                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                    assert!(
-                        a.to_bits() == b.to_bits(),
-                        "{dtype:?} m={m} output {i}: fused {a} vs {b}"
-                    );
-                }
+                let what = format!("{dtype:?} m={m}, fused vs formed product");
+                crate::test_util::assert_same_bits(&got, &want, &what);
             }
         }
         check::<qkernels::Q4K>(GgmlDType::Q4K);

@@ -118,14 +118,10 @@ pub(crate) fn rms_norm_rows(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
         }
         return out;
     }
-    struct Rows(*mut f32);
-    // SAFETY: each task writes only its own row of the buffer, which outlives the loop.
-    unsafe impl Sync for Rows {}
-    let dst = Rows(out.as_mut_ptr());
+    let dst = crate::qkernels::OutPtr::new(&mut out, dim);
     crate::parallel::for_each(rows, |r| {
-        let dst = &dst;
-        // SAFETY: row `r` of `out`, written by this task only.
-        let row = unsafe { std::slice::from_raw_parts_mut(dst.0.add(r * dim), dim) };
+        // SAFETY: row `r` of `out`, which outlives the loop, written by this task only.
+        let row = unsafe { std::slice::from_raw_parts_mut(dst.at(r, 0, dim), dim) };
         norm_row(&x[r * dim..(r + 1) * dim], row);
     });
     out
@@ -168,6 +164,7 @@ fn silu_times(g: f32, u: f32) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::assert_same_bits;
     use candle_core::{Device, Tensor};
 
     fn randn(n: usize, scale: f32) -> Vec<f32> {
@@ -194,13 +191,7 @@ mod tests {
             .to_vec1()
             .unwrap();
             let got = rms_norm_rows(&x, &w, 1e-6);
-            assert_eq!(got.len(), want.len());
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    a.to_bits() == b.to_bits(),
-                    "rows {rows}, element {i}: {a} vs {b}"
-                );
-            }
+            assert_same_bits(&got, &want, &format!("{rows} rows"));
         }
     }
 
@@ -227,12 +218,7 @@ mod tests {
             let mut got = x.clone();
             rope_in_place(&mut got, heads, d, &cos, &sin);
             assert_ne!(got, x, "rotated");
-            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    a.to_bits() == b.to_bits(),
-                    "rows {rows}, element {i}: {a} vs {b}"
-                );
-            }
+            assert_same_bits(&got, &want, &format!("{rows} rows"));
         }
     }
 
