@@ -250,6 +250,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
         sends_ahead: false,
         ahead_candidates: 0,
         decodes_while_waiting: args.decodes_while_waiting,
+        lookup: Default::default(),
         context: args.context,
         note: format!(
             "target {target_name}, draft {draft_name}, on {device}, threads {}",

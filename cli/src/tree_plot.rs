@@ -180,6 +180,7 @@ mod tests {
             sends_ahead: false,
             ahead_candidates: 0,
             decodes_while_waiting: false,
+            lookup: Default::default(),
             context: 128,
             note: String::new(),
         };

@@ -8,8 +8,8 @@
 use crate::config::{FallbackConfig, TreeConfig};
 use sequoia_core::limits;
 use sequoia_core::planner::cost::{
-    choose_with_fallback, decode_tokens, tree_draft_ms, CostCurve, NetworkProfile, NodeCosts,
-    Prediction, Profile, LOADED_SESSIONS,
+    choose_with_fallback, decode_tokens, tree_draft_ms, CostCurve, LookupGain, NetworkProfile,
+    NodeCosts, Prediction, Profile, LOADED_SESSIONS,
 };
 use sequoia_core::planner::{validate_acceptance, PlanError, SequoiaDp};
 use sequoia_core::stats::{AcceptanceSpread, RankCounts};
@@ -199,6 +199,41 @@ const STEP_EXTRA_RELAX: f64 = 0.2;
 /// Upper bound of the per-step extra, ms: a stalled step must not put every plan off trees.
 const MAX_STEP_EXTRA_MS: f64 = 250.0;
 
+/// Per greedy tree step, the weight left to the steps before it in the lookup averages
+/// ([`LookupAverages`]): the latest ~50 steps count most (two or three answers), so the
+/// average follows a change of workload (code edits repeat their prompt, chat does not).
+const LOOKUP_DECAY: f64 = 0.98;
+
+/// What prompt-lookup branches added to the greedy tree steps of this node: exponentially
+/// decayed sums of the tokens their accepted nodes committed, of the verify time priced for the
+/// nodes they added, and of the steps. Their ratios are [`Profile::lookup`]. Sums rather than a
+/// smoothed average, so the first steps already give an unbiased mean (no climb from 0).
+#[derive(Debug, Default, Clone, Copy)]
+struct LookupAverages {
+    tokens: f64,
+    ms: f64,
+    steps: f64,
+}
+
+impl LookupAverages {
+    fn add(&mut self, tokens: usize, ms: f64) {
+        self.tokens = LOOKUP_DECAY * self.tokens + tokens as f64;
+        self.ms = LOOKUP_DECAY * self.ms + ms.max(0.0);
+        self.steps = LOOKUP_DECAY * self.steps + 1.0;
+    }
+
+    fn gain(&self) -> LookupGain {
+        if self.steps > 0.0 {
+            LookupGain {
+                tokens: self.tokens / self.steps,
+                ms: self.ms / self.steps,
+            }
+        } else {
+            LookupGain::default()
+        }
+    }
+}
+
 /// `factor` moved `share` of the way back to the profile (1): `tree.drift_relax`, applied to a
 /// factor each time the other mode runs instead (the decode factor at each verdict of a tree,
 /// the tree and draft factors at each decode of the fallback). Nothing measures a mode while
@@ -270,6 +305,8 @@ pub struct Planner {
     /// Learned per tree step: the draft side's time the cost model has no term for
     /// (`Profile::step_extra_ms`).
     step_extra_ms: Mutex<f64>,
+    /// What lookup branches added to greedy tree steps (they go to greedy requests only).
+    lookup: Mutex<LookupAverages>,
     /// The decode fallback's settings; None = off.
     fallback: Option<FallbackConfig>,
     /// Pipelined generations send their trees ahead of the verdicts (`pipeline.send_ahead`),
@@ -316,6 +353,7 @@ impl Planner {
                 draft: 1.0,
             }),
             step_extra_ms: Mutex::new(0.0),
+            lookup: Mutex::new(LookupAverages::default()),
             fallback: None,
             sends_ahead: false,
             ahead_candidates: 0,
@@ -516,6 +554,18 @@ impl Planner {
         d.draft = relax_drift(d.draft, self.cfg.drift_relax);
     }
 
+    /// A greedy tree step ran: its accepted lookup nodes committed `tokens` tokens beyond the
+    /// drafted tree, and the nodes its branch added were priced at `ms` of verify time (both 0
+    /// for a step without a branch, which counts too: the average is over every tree step).
+    pub fn observe_lookup(&self, tokens: usize, ms: f64) {
+        self.lookup.lock().unwrap().add(tokens, ms);
+    }
+
+    /// What lookup branches add to a greedy tree step on average (tokens, verify ms).
+    pub fn lookup_gain(&self) -> LookupGain {
+        self.lookup.lock().unwrap().gain()
+    }
+
     /// The learned per-tree-step extra, ms.
     pub fn step_extra_ms(&self) -> f64 {
         *self.step_extra_ms.lock().unwrap()
@@ -602,6 +652,12 @@ impl Planner {
             ahead_candidates: self.ahead_candidates,
             // The node decodes while waiting only for a session alone on it.
             decodes_while_waiting: costs.decodes_while_waiting && load_sessions < LOADED_SESSIONS,
+            // Lookup branches go to greedy requests only.
+            lookup: if greedy {
+                self.lookup_gain()
+            } else {
+                LookupGain::default()
+            },
             context: self.cfg.profile_context,
             note: String::new(),
         };
@@ -1061,6 +1117,65 @@ mod tests {
             planner.observe_verify(&costs, 4, 1, costs.verify.at(4));
         }
         assert!(plan_of(&planner, &costs).full_size() > 1);
+    }
+
+    /// Lookup branches that commit 0.5 tokens per tree step beyond the tree, for 2 ms of
+    /// verify time, enter greedy predictions as that average (the steps without a branch count
+    /// too) and leave sampled ones alone (lookup branches go to greedy requests only).
+    #[test]
+    fn greedy_predictions_count_what_lookup_branches_add() {
+        let (planner, costs) = fallback_planner();
+        let plan_for = |greedy: bool| {
+            planner
+                .plan(
+                    Some(&costs),
+                    greedy,
+                    &RankCounts::default(),
+                    None,
+                    1.0,
+                    true,
+                )
+                .unwrap()
+                .prediction
+                .unwrap()
+        };
+        let (before, sampled_before) = (plan_for(true), plan_for(false));
+        assert!(before.nodes > 1 && before.lookup_tokens == 0.0);
+        // Already the mean from the first steps: no climb from zero.
+        planner.observe_lookup(1, 4.0);
+        planner.observe_lookup(0, 0.0);
+        let gain = planner.lookup_gain();
+        let first_two = LOOKUP_DECAY / (1.0 + LOOKUP_DECAY);
+        assert!((gain.tokens - first_two).abs() < 1e-12, "{gain:?}");
+        for _ in 0..500 {
+            planner.observe_lookup(1, 4.0);
+            planner.observe_lookup(0, 0.0);
+        }
+        let gain = planner.lookup_gain();
+        assert!(
+            (gain.tokens - 0.5).abs() < 0.02 && (gain.ms - 2.0).abs() < 0.1,
+            "{gain:?}"
+        );
+        let after = plan_for(true);
+        assert_eq!(
+            (after.lookup_tokens, after.lookup_ms),
+            (gain.tokens, gain.ms)
+        );
+        // The same tree is predicted with the gain's tokens and time; another tree only if it
+        // is predicted faster still.
+        if after.nodes == before.nodes {
+            assert!((after.expected_tokens - before.expected_tokens - gain.tokens).abs() < 1e-9);
+            assert!((after.step_ms - before.step_ms - gain.ms).abs() < 1e-9);
+        }
+        assert!(
+            after.speedup > before.speedup,
+            "{} vs {}",
+            after.speedup,
+            before.speedup
+        );
+        let sampled = plan_for(false);
+        assert_eq!(sampled.lookup_tokens, 0.0);
+        assert_eq!(sampled.speedup, sampled_before.speedup);
     }
 
     #[test]

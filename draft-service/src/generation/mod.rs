@@ -170,9 +170,11 @@ async fn generate(
         } else {
             (g.verify(&drafted, at_node, None).await?, None)
         };
+        let lookup_before = g.lookup_accepted;
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
         g.lookup_record.record(&lookup.guess, &emitted);
         g.observe_step(&shape, hit, t_step.elapsed(), lookup.cost_ms);
+        g.observe_lookup((g.lookup_accepted - lookup_before) as usize, lookup.cost_ms);
         debug!(
             nodes = shape.len(),
             ahead = hit,
@@ -740,17 +742,33 @@ impl<'a> Generation<'a> {
         let Some(pred) = &plan.prediction else {
             return;
         };
+        // Each prediction holds the average lookup time per step (`Prediction::lookup_ms`).
         let predicted = match (pred.hit_step_ms, &plan.miss_prediction) {
-            (Some(hit_ms), _) if hit && shape.len() == plan.full_size() => Some(hit_ms),
-            (Some(_), Some(miss)) if !hit && shape.len() == miss.nodes => Some(miss.step_ms),
+            (Some(hit_ms), _) if hit && shape.len() == plan.full_size() => {
+                Some(hit_ms - pred.lookup_ms)
+            }
+            (Some(_), Some(miss)) if !hit && shape.len() == miss.nodes => {
+                Some(miss.step_ms - miss.lookup_ms)
+            }
             (Some(_), _) => None,
-            (None, _) => (shape.len() == plan.full_size()).then_some(pred.step_ms),
+            (None, _) => (shape.len() == plan.full_size()).then_some(pred.step_ms - pred.lookup_ms),
         };
         if let Some(ms) = predicted {
-            // The lookup nodes sent this step were priced apart.
+            // The lookup nodes sent this step were priced apart: this step's price replaces
+            // the average.
             self.state
                 .planner
                 .observe_step(ms + lookup_ms, took.as_secs_f64() * 1e3);
+        }
+    }
+
+    /// Teach the planner what this tree step's lookup branch added (docs/ALGORITHMS.md §9, "In
+    /// the prediction"): `tokens` committed by accepted lookup nodes, `ms` priced for the nodes
+    /// the branch added. Greedy steps of auto plans only, branch or not: lookup branches go to
+    /// greedy requests, and a tree the request forced is no plan's.
+    fn observe_lookup(&self, tokens: usize, ms: f64) {
+        if self.plan.is_auto() && self.prep.params.is_greedy() && self.prep.forced_tree.is_none() {
+            self.state.planner.observe_lookup(tokens, ms);
         }
     }
 

@@ -124,11 +124,25 @@ pub struct Profile {
     /// false where the node batches other sessions.
     #[serde(default)]
     pub decodes_while_waiting: bool,
+    /// What prompt-lookup branches add to a tree step on average (§9): learned in service from
+    /// the steps taken; none in offline profiles.
+    #[serde(default)]
+    pub lookup: LookupGain,
     /// Context length the forwards were measured at.
     pub context: usize,
     /// Free-form description (models, machine).
     #[serde(default)]
     pub note: String,
+}
+
+/// The average effect of prompt-lookup branches on a tree step (docs/ALGORITHMS.md §9, "In the
+/// prediction"): the tokens their accepted nodes commit beyond the drafted tree, and the verify
+/// time of the nodes they add. Averaged over every tree step, with and without a branch, so it
+/// is added as is to the prediction of any tree that grows a draft (more than the root).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LookupGain {
+    pub tokens: f64,
+    pub ms: f64,
 }
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -150,6 +164,10 @@ impl Profile {
         }
         if !(self.step_extra_ms.is_finite() && self.step_extra_ms >= 0.0) {
             return Err(ProfileError("step_extra_ms must be ≥ 0".into()));
+        }
+        let l = &self.lookup;
+        if !(l.tokens.is_finite() && l.tokens >= 0.0 && l.ms.is_finite() && l.ms >= 0.0) {
+            return Err(ProfileError("lookup: tokens and ms must be ≥ 0".into()));
         }
         Ok(())
     }
@@ -174,6 +192,12 @@ pub struct Prediction {
     pub overhead_ms: f64,
     pub step_ms: f64,
     pub speedup: f64,
+    /// Of `expected_tokens` and of every step time: what lookup branches add on average
+    /// ([`Profile::lookup`]); 0 for the root alone.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub lookup_tokens: f64,
+    #[serde(skip_serializing_if = "is_zero")]
+    pub lookup_ms: f64,
     pub parents: Vec<i32>,
     /// Pipelined drafting: the hit probability the step time assumed (None = not pipelined).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -188,6 +212,10 @@ pub struct Prediction {
     /// decodes while waiting ([`waited_verify_ms`]). Such a step costs `draft_ms + network_ms +
     /// arrival_verify_ms + overhead_ms`.
     pub arrival_verify_ms: f64,
+}
+
+fn is_zero(x: &f64) -> bool {
+    *x == 0.0
 }
 
 impl Prediction {
@@ -356,7 +384,14 @@ pub fn predict_pipelined(
     q_entries: usize,
     pipeline_hit: Option<f64>,
 ) -> Prediction {
-    let g = expected_tokens(tree, p);
+    // Lookup branches are grafted onto trees that grow a draft; the root alone is the decode
+    // fallback's business.
+    let lookup = if tree.len() > 1 {
+        profile.lookup
+    } else {
+        LookupGain::default()
+    };
+    let g = expected_tokens(tree, p) + lookup.tokens;
     let levels = tree.levels();
     let mut draft_ms = tree_draft_ms(&profile.draft, tree);
     if levels > 1 {
@@ -391,7 +426,8 @@ pub fn predict_pipelined(
     // Drafted after its verdict, the tree reaches the node a draft and a network trip later.
     let arrival_verify_ms = waited_verify_ms(profile, p, tree, draft_ms + network_ms, verify_ms);
     let after_verdict_ms = draft_ms + network_ms + arrival_verify_ms + profile.overhead_ms;
-    let step_ms = profile.step_extra_ms
+    let extra_ms = profile.step_extra_ms + lookup.ms;
+    let step_ms = extra_ms
         + match pipeline_hit {
             Some(hit) => expected_step_ms(hit, hit_ms, after_verdict_ms),
             None => after_verdict_ms,
@@ -403,12 +439,14 @@ pub fn predict_pipelined(
         draft_ms,
         network_ms,
         verify_ms,
-        overhead_ms: profile.overhead_ms + profile.step_extra_ms,
+        overhead_ms: profile.overhead_ms + extra_ms,
         step_ms,
         speedup: g * profile.verify.at(1) / step_ms,
+        lookup_tokens: lookup.tokens,
+        lookup_ms: lookup.ms,
         parents: tree.parents().to_vec(),
         pipeline_hit,
-        hit_step_ms: pipeline_hit.map(|_| profile.step_extra_ms + hit_ms),
+        hit_step_ms: pipeline_hit.map(|_| extra_ms + hit_ms),
         arrival_verify_ms,
     }
 }
@@ -631,6 +669,8 @@ pub fn predict_decode(profile: &Profile, k: usize) -> Prediction {
         overhead_ms: profile.overhead_ms,
         step_ms,
         speedup: verify_ms / step_ms,
+        lookup_tokens: 0.0,
+        lookup_ms: 0.0,
         parents: vec![-1],
         pipeline_hit: None,
         hit_step_ms: None,
@@ -782,9 +822,56 @@ mod tests {
             sends_ahead: false,
             ahead_candidates: 0,
             decodes_while_waiting: false,
+            lookup: LookupGain::default(),
             context: 256,
             note: String::new(),
         }
+    }
+
+    /// A profile's lookup gain adds its tokens and its time to every tree that grows a draft,
+    /// pipelined or not, and nothing to the root alone.
+    #[test]
+    fn lookup_gain_adds_to_trees_and_not_to_the_root() {
+        let plain = profile(|n| 20.0 + 3.0 * n, 2.0, 5.0);
+        let with = Profile {
+            lookup: LookupGain {
+                tokens: 0.4,
+                ms: 3.0,
+            },
+            ..plain.clone()
+        };
+        let p = [0.7, 0.1];
+        for hit in [None, Some(0.5)] {
+            let tree = Tree::from_parents(&[-1, 0, 0, 1]).unwrap();
+            let (a, b) = (
+                predict_pipelined(&plain, &p, &tree, 0, hit),
+                predict_pipelined(&with, &p, &tree, 0, hit),
+            );
+            assert!((b.expected_tokens - a.expected_tokens - 0.4).abs() < 1e-12);
+            assert!((b.step_ms - a.step_ms - 3.0).abs() < 1e-12);
+            assert_eq!((b.lookup_tokens, b.lookup_ms), (0.4, 3.0));
+            if let (Some(x), Some(y)) = (a.hit_step_ms, b.hit_step_ms) {
+                assert!((y - x - 3.0).abs() < 1e-12);
+            }
+            let root = Tree::chain(1);
+            let (a, b) = (
+                predict_pipelined(&plain, &p, &root, 0, hit),
+                predict_pipelined(&with, &p, &root, 0, hit),
+            );
+            assert_eq!(
+                (a.expected_tokens, a.step_ms),
+                (b.expected_tokens, b.step_ms)
+            );
+            assert_eq!(b.lookup_tokens, 0.0);
+        }
+        let bad = Profile {
+            lookup: LookupGain {
+                tokens: -1.0,
+                ms: 0.0,
+            },
+            ..plain
+        };
+        assert!(bad.validate().is_err());
     }
 
     #[test]
