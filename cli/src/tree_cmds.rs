@@ -251,6 +251,7 @@ pub fn profile(args: &ProfileArgs) -> Result<()> {
         ahead_candidates: 0,
         decodes_while_waiting: args.decodes_while_waiting,
         lookup: Default::default(),
+        drafted_scale: 1.0,
         context: args.context,
         note: format!(
             "target {target_name}, draft {draft_name}, on {device}, threads {}",

@@ -181,6 +181,7 @@ mod tests {
             ahead_candidates: 0,
             decodes_while_waiting: false,
             lookup: Default::default(),
+            drafted_scale: 1.0,
             context: 128,
             note: String::new(),
         };

@@ -141,13 +141,13 @@ impl ActivePlan {
             parents: t.parents().to_vec(),
             nodes: t.len() as u32,
             levels: t.levels() as u32,
-            // A decode plan's step is one decode of K tokens, and a pipelined plan's step is a
-            // hit with the planned tree or a miss with the miss tree: their predictions say
-            // so, where the planned tree alone would say 1 or the hit tree's tokens.
-            expected_tokens_per_step: match (&self.prediction, self.decode_tokens) {
-                (Some(p), Some(_)) => p.expected_tokens,
-                (Some(p), None) if self.miss_prediction.is_some() => p.expected_tokens,
-                _ => self.expected_tokens(),
+            // A decode plan's step is one decode of K tokens, a pipelined plan's step is a hit
+            // with the planned tree or a miss with the miss tree, and an auto plan's tokens
+            // include what lookup branches add and the learned acceptance bias: their
+            // predictions say so, where the planned tree's G alone would not.
+            expected_tokens_per_step: match &self.prediction {
+                Some(p) => p.expected_tokens,
+                None => self.expected_tokens(),
             },
             mode: self.mode.as_str().into(),
             predicted_speedup: self.prediction.as_ref().map_or(0.0, |p| p.speedup),
@@ -289,6 +289,45 @@ struct Verdicts {
     /// How much finished generations' first-rank acceptance differed: the weight of the
     /// node-wide estimate in a generation's own.
     spread: AcceptanceSpread,
+    /// Observed against predicted drafted tokens of the plan's own trees.
+    bias: AcceptanceBias,
+}
+
+/// Pseudo-steps of no bias in [`AcceptanceBias`]: a few steps cannot move the scale far.
+const BIAS_PRIOR_STEPS: f64 = 10.0;
+
+/// Bounds of the drafted-token scale: a run of lucky or unlucky steps must not make trees look
+/// free or worthless.
+const BIAS_SCALE_RANGE: (f64, f64) = (0.5, 2.0);
+
+/// Decayed sums, over tree steps of the plan's own tree, of the drafted tokens the steps
+/// committed (tokens through lookup nodes and the bonus token not counted) and of the drafted
+/// tokens the acceptance model predicted for the tree, `G − 1` (docs/ALGORITHMS.md §5.4,
+/// "Acceptance bias"). Same decay as the lookup averages.
+#[derive(Debug, Default, Clone, Copy)]
+struct AcceptanceBias {
+    observed: f64,
+    predicted: f64,
+    steps: f64,
+}
+
+impl AcceptanceBias {
+    fn add(&mut self, predicted: f64, observed: f64) {
+        self.observed = LOOKUP_DECAY * self.observed + observed.max(0.0);
+        self.predicted = LOOKUP_DECAY * self.predicted + predicted.max(0.0);
+        self.steps = LOOKUP_DECAY * self.steps + 1.0;
+    }
+
+    /// Observed over predicted, with [`BIAS_PRIOR_STEPS`] steps of no bias at the average
+    /// prediction.
+    fn scale(&self) -> f64 {
+        if !(self.steps > 0.0 && self.predicted > 0.0) {
+            return 1.0;
+        }
+        let prior = BIAS_PRIOR_STEPS * self.predicted / self.steps;
+        ((self.observed + prior) / (self.predicted + prior))
+            .clamp(BIAS_SCALE_RANGE.0, BIAS_SCALE_RANGE.1)
+    }
 }
 
 #[derive(Debug)]
@@ -566,6 +605,23 @@ impl Planner {
         self.lookup.lock().unwrap().gain()
     }
 
+    /// A step of the plan's own tree, whose acceptance model predicted `predicted` tokens
+    /// (G, the bonus token included), committed `observed` tokens from its drafted nodes (the
+    /// bonus included, tokens of lookup nodes not).
+    pub fn observe_tree_tokens(&self, greedy: bool, predicted: f64, observed: usize) {
+        if predicted.is_finite() && predicted >= 1.0 && observed >= 1 {
+            self.verdicts(greedy)
+                .bias
+                .add(predicted - 1.0, observed as f64 - 1.0);
+        }
+    }
+
+    /// Observed over predicted drafted tokens per step of greedy or sampled generations
+    /// ([`Profile::drafted_scale`]).
+    pub fn drafted_scale(&self, greedy: bool) -> f64 {
+        self.verdicts(greedy).bias.scale()
+    }
+
     /// The learned per-tree-step extra, ms.
     pub fn step_extra_ms(&self) -> f64 {
         *self.step_extra_ms.lock().unwrap()
@@ -658,6 +714,7 @@ impl Planner {
             } else {
                 LookupGain::default()
             },
+            drafted_scale: self.drafted_scale(greedy),
             context: self.cfg.profile_context,
             note: String::new(),
         };
@@ -1176,6 +1233,51 @@ mod tests {
         let sampled = plan_for(false);
         assert_eq!(sampled.lookup_tokens, 0.0);
         assert_eq!(sampled.speedup, sampled_before.speedup);
+    }
+
+    /// Steps that commit half again the drafted tokens the acceptance model predicted scale
+    /// the drafted part of the next predictions toward 1.5 (greedy only: sampled generations
+    /// keep their own), and the scale stays inside its bounds however lucky the steps.
+    #[test]
+    fn the_acceptance_bias_is_learned_from_steps() {
+        let (planner, costs) = fallback_planner();
+        let plan_for = |greedy: bool| {
+            planner
+                .plan(
+                    Some(&costs),
+                    greedy,
+                    &RankCounts::default(),
+                    None,
+                    1.0,
+                    true,
+                )
+                .unwrap()
+        };
+        let before = plan_for(true);
+        assert!(before.full_size() > 1);
+        assert_eq!(planner.drafted_scale(true), 1.0);
+        let g = before.expected_tokens();
+        // Observed tokens are whole: steps whose running total follows 1 + 1.5 (G − 1) each.
+        let want = 1.0 + 1.5 * (g - 1.0);
+        for i in 0..400 {
+            let observed = (want * (i + 1) as f64).round() - (want * i as f64).round();
+            planner.observe_tree_tokens(true, g, observed as usize);
+        }
+        let scale = planner.drafted_scale(true);
+        assert!((scale - 1.5).abs() < 0.1, "{scale}");
+        assert_eq!(planner.drafted_scale(false), 1.0);
+        let after = plan_for(true).prediction.unwrap();
+        let tree = Tree::from_parents(&after.parents).unwrap();
+        let p = planner
+            .verdicts(true)
+            .counts
+            .estimate(&planner.cfg.acceptance, PRIOR_TRIALS);
+        let g_after = sequoia_core::planner::expected_tokens(&tree, &p);
+        assert!((after.expected_tokens - (1.0 + scale * (g_after - 1.0))).abs() < 1e-9);
+        for _ in 0..400 {
+            planner.observe_tree_tokens(true, g, 40);
+        }
+        assert_eq!(planner.drafted_scale(true), BIAS_SCALE_RANGE.1);
     }
 
     #[test]

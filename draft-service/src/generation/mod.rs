@@ -174,7 +174,9 @@ async fn generate(
         let emitted = g.commit(&mut draft, &drafted, &verdict, ahead)?;
         g.lookup_record.record(&lookup.guess, &emitted);
         g.observe_step(&shape, hit, t_step.elapsed(), lookup.cost_ms);
-        g.observe_lookup((g.lookup_accepted - lookup_before) as usize, lookup.cost_ms);
+        let through_lookup = (g.lookup_accepted - lookup_before) as usize;
+        g.observe_lookup(through_lookup, lookup.cost_ms);
+        g.observe_tree_tokens(&shape, emitted.len().saturating_sub(through_lookup));
         debug!(
             nodes = shape.len(),
             ahead = hit,
@@ -759,6 +761,27 @@ impl<'a> Generation<'a> {
             self.state
                 .planner
                 .observe_step(ms + lookup_ms, took.as_secs_f64() * 1e3);
+        }
+    }
+
+    /// Teach the planner how the acceptance model's G for the plan's own tree compares with the
+    /// tokens a step of it committed from drafted nodes (docs/ALGORITHMS.md §5.4, "Acceptance
+    /// bias"). Auto plans only, full-size trees only (not probes, miss trees or trees shrunk by
+    /// the context's end), not forced trees.
+    fn observe_tree_tokens(&self, shape: &Tree, tree_tokens: usize) {
+        let plan = &self.plan;
+        if plan.is_auto()
+            && plan.decode_tokens.is_none()
+            && self.prep.forced_tree.is_none()
+            && shape.len() > 1
+            && shape.len() == plan.full_size()
+            && *shape == plan.shape(usize::MAX)
+        {
+            self.state.planner.observe_tree_tokens(
+                self.prep.params.is_greedy(),
+                plan.expected_tokens(),
+                tree_tokens,
+            );
         }
     }
 

@@ -128,6 +128,10 @@ pub struct Profile {
     /// the steps taken; none in offline profiles.
     #[serde(default)]
     pub lookup: LookupGain,
+    /// Observed over predicted drafted tokens per step (§5.4, "Acceptance bias"): G(n, l)'s
+    /// drafted part, `G − 1`, is scaled by it. Learned in service; 1 in offline profiles.
+    #[serde(default = "one")]
+    pub drafted_scale: f64,
     /// Context length the forwards were measured at.
     pub context: usize,
     /// Free-form description (models, machine).
@@ -164,6 +168,9 @@ impl Profile {
         }
         if !(self.step_extra_ms.is_finite() && self.step_extra_ms >= 0.0) {
             return Err(ProfileError("step_extra_ms must be ≥ 0".into()));
+        }
+        if !(self.drafted_scale.is_finite() && self.drafted_scale > 0.0) {
+            return Err(ProfileError("drafted_scale must be > 0".into()));
         }
         let l = &self.lookup;
         if !(l.tokens.is_finite() && l.tokens >= 0.0 && l.ms.is_finite() && l.ms >= 0.0) {
@@ -212,6 +219,10 @@ pub struct Prediction {
     /// decodes while waiting ([`waited_verify_ms`]). Such a step costs `draft_ms + network_ms +
     /// arrival_verify_ms + overhead_ms`.
     pub arrival_verify_ms: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 fn is_zero(x: &f64) -> bool {
@@ -391,7 +402,9 @@ pub fn predict_pipelined(
     } else {
         LookupGain::default()
     };
-    let g = expected_tokens(tree, p) + lookup.tokens;
+    // The bonus (or correction) token always comes; the drafted part is scaled by what the
+    // acceptance model was seen to miss.
+    let g = 1.0 + profile.drafted_scale * (expected_tokens(tree, p) - 1.0) + lookup.tokens;
     let levels = tree.levels();
     let mut draft_ms = tree_draft_ms(&profile.draft, tree);
     if levels > 1 {
@@ -823,6 +836,7 @@ mod tests {
             ahead_candidates: 0,
             decodes_while_waiting: false,
             lookup: LookupGain::default(),
+            drafted_scale: 1.0,
             context: 256,
             note: String::new(),
         }
@@ -869,9 +883,26 @@ mod tests {
                 tokens: -1.0,
                 ms: 0.0,
             },
-            ..plain
+            ..plain.clone()
         };
         assert!(bad.validate().is_err());
+        // The drafted-token scale multiplies G − 1, not the bonus token.
+        let tree = Tree::from_parents(&[-1, 0, 0, 1]).unwrap();
+        let scaled = Profile {
+            drafted_scale: 1.5,
+            ..plain.clone()
+        };
+        let (a, b) = (
+            predict(&plain, &p, &tree, 0),
+            predict(&scaled, &p, &tree, 0),
+        );
+        assert!((b.expected_tokens - 1.0 - 1.5 * (a.expected_tokens - 1.0)).abs() < 1e-12);
+        assert_eq!(a.step_ms, b.step_ms);
+        let zero = Profile {
+            drafted_scale: 0.0,
+            ..plain
+        };
+        assert!(zero.validate().is_err());
     }
 
     #[test]
