@@ -178,20 +178,25 @@ fn sigterm_drains_a_node_its_sessions_move_and_it_exits() {
     let mut cfg = draft_config(&pair.draft, &urls, 4, 3);
     cfg.discovery_interval_secs = 0.2;
     let draft = start_draft(cfg);
-    let want: Vec<Vec<u32>> = PROMPTS[..2]
+    // Two prompts whose greedy answers run the whole TOKENS (the tiny target ends the
+    // others after 83–349 tokens): a short answer on the draining node could end before the
+    // drain starts, and its session would then never move (seen under the full test suite's
+    // load).
+    let prompts = [PROMPTS[0], PROMPTS[3]];
+    let want: Vec<Vec<u32>> = prompts
         .iter()
         .map(|p| plain_greedy(&pair.target, p, TOKENS as usize))
         .collect();
     let rt = tokio::runtime::Runtime::new().unwrap();
     let draft_url = draft.url();
     let got = rt.block_on(within(300, async {
-        let started = join_all(PROMPTS[..2].iter().map(|p| start(&draft_url, p))).await;
+        let started = join_all(prompts.iter().map(|p| start(&draft_url, p))).await;
         assert!(active_sessions(&urls[0]).await > 0, "one session per node");
         draining.terminate();
         join_all(started.into_iter().map(finish)).await
     }));
     let mut failovers = 0;
-    for ((got, want), prompt) in got.into_iter().zip(&want).zip(PROMPTS) {
+    for ((got, want), prompt) in got.into_iter().zip(&want).zip(prompts) {
         assert_eq!(&got.tokens, want, "prompt {prompt:?} across the drain");
         let s = got.summary.unwrap();
         assert_eq!(s.verify_node, urls[1]);
