@@ -1000,8 +1000,13 @@ mod tests {
     }
 
     fn plan_of(planner: &Planner, costs: &NodeCosts) -> ActivePlan {
+        plan_of_kind(planner, costs, true)
+    }
+
+    /// [`plan_of`] for a greedy or a sampled generation.
+    fn plan_of_kind(planner: &Planner, costs: &NodeCosts, greedy: bool) -> ActivePlan {
         planner
-            .plan(Some(costs), true, &RankCounts::default(), None, 1.0, true)
+            .plan(Some(costs), greedy, &RankCounts::default(), None, 1.0, true)
             .unwrap()
     }
 
@@ -1182,20 +1187,7 @@ mod tests {
     #[test]
     fn greedy_predictions_count_what_lookup_branches_add() {
         let (planner, costs) = fallback_planner();
-        let plan_for = |greedy: bool| {
-            planner
-                .plan(
-                    Some(&costs),
-                    greedy,
-                    &RankCounts::default(),
-                    None,
-                    1.0,
-                    true,
-                )
-                .unwrap()
-                .prediction
-                .unwrap()
-        };
+        let plan_for = |greedy: bool| plan_of_kind(&planner, &costs, greedy).prediction.unwrap();
         let (before, sampled_before) = (plan_for(true), plan_for(false));
         assert!(before.nodes > 1 && before.lookup_tokens == 0.0);
         // Already the mean from the first steps: no climb from zero.
@@ -1241,18 +1233,7 @@ mod tests {
     #[test]
     fn the_acceptance_bias_is_learned_from_steps() {
         let (planner, costs) = fallback_planner();
-        let plan_for = |greedy: bool| {
-            planner
-                .plan(
-                    Some(&costs),
-                    greedy,
-                    &RankCounts::default(),
-                    None,
-                    1.0,
-                    true,
-                )
-                .unwrap()
-        };
+        let plan_for = |greedy: bool| plan_of_kind(&planner, &costs, greedy);
         let before = plan_for(true);
         assert!(before.full_size() > 1);
         assert_eq!(planner.drafted_scale(true), 1.0);

@@ -774,7 +774,6 @@ impl<'a> Generation<'a> {
             && plan.decode_tokens.is_none()
             && self.prep.forced_tree.is_none()
             && shape.len() > 1
-            && shape.len() == plan.full_size()
             && *shape == plan.shape(usize::MAX)
         {
             self.state.planner.observe_tree_tokens(
