@@ -6,7 +6,8 @@
 //! with the activations' quantization and then the kernel alone (activations quantized once;
 //! compare the latter with a plain C loop such as `scripts/q5_0-block-bench.c`). COPIES = 1 keeps the
 //! weights in cache (L3 at 8960 columns; 512 columns fit L2, the kernel's arithmetic alone);
-//! 64 streams them from DRAM. `SEQUOIA_KERNEL_PF` sets the prefetch distance.
+//! 64 streams them from DRAM. `SEQUOIA_KERNEL_PF` and `SEQUOIA_KERNEL_PF_NEAR` set the
+//! prefetch distances.
 
 use sequoia_engine::kernels;
 
