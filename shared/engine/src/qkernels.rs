@@ -2938,8 +2938,8 @@ fn pf_dist<F: Format>(m: usize) -> usize {
 /// that streams a group waited on an L2 access per line; with it the lines are in L1 when
 /// that pass gets to them. On 8960 × 1536 from DRAM, one thread (Xeon family 6 model 207):
 /// Q4_K at one row 24.8 → 28.5 G MAC/s, 8 rows 144 → 151, 16 rows 168 → 171; Q6_K, Q5_0 and
-/// Q8_0 gain 4–8 %; 2048 and 8192 bytes did less. A 2-thread decode of the 1.5B model went
-/// from 39–41 ms to 35 ms. Not measured on AMD, where T0 prefetches have hurt before (see
+/// Q8_0 gain 4–9 %; 2048 and 8192 bytes did less. A 2-thread decode of the 1.5B model went
+/// from 38–41 ms to 35–36 ms. Not measured on AMD, where T0 prefetches have hurt before (see
 /// [`prefetch`]), so off there until it is.
 fn pf_near() -> usize {
     use std::sync::OnceLock;
@@ -2959,18 +2959,25 @@ fn cpu_is_intel() -> bool {
     *INTEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: CPUID leaf 0 exists on every x86-64 CPU (see `cpu_is_amd_zen4_or_later`).
-            #[allow(unused_unsafe)]
-            let r = unsafe { std::arch::x86_64::__cpuid(0) };
-            let mut v = [0u8; 12];
-            v[..4].copy_from_slice(&r.ebx.to_le_bytes());
-            v[4..8].copy_from_slice(&r.edx.to_le_bytes());
-            v[8..].copy_from_slice(&r.ecx.to_le_bytes());
-            &v == b"GenuineIntel"
+            &cpu_vendor() == b"GenuineIntel"
         }
         #[cfg(not(target_arch = "x86_64"))]
         false
     })
+}
+
+/// The CPU's vendor string (CPUID leaf 0).
+#[cfg(target_arch = "x86_64")]
+fn cpu_vendor() -> [u8; 12] {
+    // SAFETY: CPUID leaf 0 exists on every x86-64 CPU. (A safe function since Rust 1.87;
+    // `unsafe` keeps the crate's rust-version building.)
+    #[allow(unused_unsafe)]
+    let r = unsafe { std::arch::x86_64::__cpuid(0) };
+    let mut v = [0u8; 12];
+    v[..4].copy_from_slice(&r.ebx.to_le_bytes());
+    v[4..8].copy_from_slice(&r.edx.to_le_bytes());
+    v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+    v
 }
 
 /// Whether the CPU is an AMD Zen 4 or later (read once): family 19h models of Zen 4 (Genoa
@@ -2983,15 +2990,10 @@ fn cpu_is_amd_zen4_or_later() -> bool {
     *ZEN4.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            // SAFETY: CPUID leaves 0 (the vendor string) and 1 (family and model) exist on
-            // every x86-64 CPU. (A safe function since Rust 1.87; `unsafe` keeps the crate's
-            // rust-version building.)
+            // SAFETY: CPUID leaf 1 (family and model) exists on every x86-64 CPU (see
+            // `cpu_vendor`).
             #[allow(unused_unsafe)]
-            let (r, id) = unsafe { (std::arch::x86_64::__cpuid(0), std::arch::x86_64::__cpuid(1)) };
-            let mut v = [0u8; 12];
-            v[..4].copy_from_slice(&r.ebx.to_le_bytes());
-            v[4..8].copy_from_slice(&r.edx.to_le_bytes());
-            v[8..].copy_from_slice(&r.ecx.to_le_bytes());
+            let id = unsafe { std::arch::x86_64::__cpuid(1) };
             let base_family = (id.eax >> 8) & 0xF;
             let family = if base_family == 0xF {
                 base_family + ((id.eax >> 20) & 0xFF)
@@ -2999,7 +3001,7 @@ fn cpu_is_amd_zen4_or_later() -> bool {
                 base_family
             };
             let model = ((id.eax >> 12) & 0xF0) | ((id.eax >> 4) & 0xF);
-            &v == b"AuthenticAMD"
+            &cpu_vendor() == b"AuthenticAMD"
                 && (family > 0x19
                     || (family == 0x19 && matches!(model, 0x10..=0x1F | 0x60..=0x7F | 0xA0..=0xAF)))
         }
