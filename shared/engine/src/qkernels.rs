@@ -3015,23 +3015,28 @@ fn cpu_is_amd_zen4_or_later() -> bool {
 /// at 8 rows on Zen 4.)
 #[inline(always)]
 fn prefetch(p: usize, end: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if p < end {
-        // SAFETY: prefetch has no architectural effect; the address is inside the buffer.
-        unsafe { _mm_prefetch::<_MM_HINT_T1>(p as *const i8) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, end);
+    prefetch_to::<PF_L2>(p, end)
 }
 
 /// Prefetch the line at address `p` into L1 if it lies before `end` (the near stream of
 /// [`pf_near`]).
 #[inline(always)]
 fn prefetch_l1(p: usize, end: usize) {
+    prefetch_to::<PF_L1>(p, end)
+}
+
+/// `_mm_prefetch` strategies: `_MM_HINT_T1` (into L2) and `_MM_HINT_T0` (into L1).
+const PF_L2: i32 = 2;
+const PF_L1: i32 = 3;
+#[cfg(target_arch = "x86_64")]
+const _: () = assert!(PF_L2 == _MM_HINT_T1 && PF_L1 == _MM_HINT_T0);
+
+#[inline(always)]
+fn prefetch_to<const HINT: i32>(p: usize, end: usize) {
     #[cfg(target_arch = "x86_64")]
     if p < end {
         // SAFETY: prefetch has no architectural effect; the address is inside the buffer.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+        unsafe { _mm_prefetch::<HINT>(p as *const i8) };
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, end);
