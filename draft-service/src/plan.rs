@@ -199,34 +199,47 @@ const STEP_EXTRA_RELAX: f64 = 0.2;
 /// Upper bound of the per-step extra, ms: a stalled step must not put every plan off trees.
 const MAX_STEP_EXTRA_MS: f64 = 250.0;
 
-/// Per greedy tree step, the weight left to the steps before it in the lookup averages
-/// ([`LookupAverages`]): the latest ~50 steps count most (two or three answers), so the
-/// average follows a change of workload (code edits repeat their prompt, chat does not).
-const LOOKUP_DECAY: f64 = 0.98;
+/// Per tree step, the weight left to the steps before it in the planner's decayed sums
+/// ([`DecayedSums`]: the lookup averages and the acceptance bias): the latest ~50 steps count
+/// most (two or three answers), so the sums follow a change of workload (code edits repeat
+/// their prompt, chat does not).
+const STEP_DECAY: f64 = 0.98;
 
-/// What prompt-lookup branches added to the greedy tree steps of this node: exponentially
-/// decayed sums of the tokens their accepted nodes committed, of the verify time priced for the
-/// nodes they added, and of the steps. Their ratios are [`Profile::lookup`]. Sums rather than a
-/// smoothed average, so the first steps already give an unbiased mean (no climb from 0).
+/// Exponentially decayed sums over steps of two quantities and of the steps themselves.
+/// Sums rather than smoothed averages, so the first steps already give an unbiased mean (no
+/// climb from 0).
 #[derive(Debug, Default, Clone, Copy)]
-struct LookupAverages {
-    tokens: f64,
-    ms: f64,
+struct DecayedSums {
+    a: f64,
+    b: f64,
     steps: f64,
 }
 
+impl DecayedSums {
+    fn add(&mut self, a: f64, b: f64) {
+        self.a = STEP_DECAY * self.a + a;
+        self.b = STEP_DECAY * self.b + b;
+        self.steps = STEP_DECAY * self.steps + 1.0;
+    }
+}
+
+/// What prompt-lookup branches added to the greedy tree steps of this node: decayed sums of the
+/// tokens their accepted nodes committed (`a`) and of the verify time priced for the nodes they
+/// added (`b`). Their means per step are [`Profile::lookup`].
+#[derive(Debug, Default, Clone, Copy)]
+struct LookupAverages(DecayedSums);
+
 impl LookupAverages {
     fn add(&mut self, tokens: usize, ms: f64) {
-        self.tokens = LOOKUP_DECAY * self.tokens + tokens as f64;
-        self.ms = LOOKUP_DECAY * self.ms + ms.max(0.0);
-        self.steps = LOOKUP_DECAY * self.steps + 1.0;
+        self.0.add(tokens as f64, ms.max(0.0));
     }
 
     fn gain(&self) -> LookupGain {
-        if self.steps > 0.0 {
+        let s = &self.0;
+        if s.steps > 0.0 {
             LookupGain {
-                tokens: self.tokens / self.steps,
-                ms: self.ms / self.steps,
+                tokens: s.a / s.steps,
+                ms: s.b / s.steps,
             }
         } else {
             LookupGain::default()
@@ -301,32 +314,30 @@ const BIAS_PRIOR_STEPS: f64 = 10.0;
 const BIAS_SCALE_RANGE: (f64, f64) = (0.5, 2.0);
 
 /// Decayed sums, over tree steps of the plan's own tree, of the drafted tokens the steps
-/// committed (tokens through lookup nodes and the bonus token not counted) and of the drafted
-/// tokens the acceptance model predicted for the tree, `G − 1` (docs/ALGORITHMS.md §5.4,
-/// "Acceptance bias"). Same decay as the lookup averages.
+/// committed (`a`; tokens through lookup nodes and the bonus token not counted) and of the
+/// drafted tokens the acceptance model predicted for the tree, `G − 1` (`b`)
+/// (docs/ALGORITHMS.md §5.4, "Acceptance bias").
 #[derive(Debug, Default, Clone, Copy)]
-struct AcceptanceBias {
-    observed: f64,
-    predicted: f64,
-    steps: f64,
-}
+struct AcceptanceBias(DecayedSums);
 
 impl AcceptanceBias {
     fn add(&mut self, predicted: f64, observed: f64) {
-        self.observed = LOOKUP_DECAY * self.observed + observed.max(0.0);
-        self.predicted = LOOKUP_DECAY * self.predicted + predicted.max(0.0);
-        self.steps = LOOKUP_DECAY * self.steps + 1.0;
+        self.0.add(observed.max(0.0), predicted.max(0.0));
     }
 
     /// Observed over predicted, with [`BIAS_PRIOR_STEPS`] steps of no bias at the average
     /// prediction.
     fn scale(&self) -> f64 {
-        if !(self.steps > 0.0 && self.predicted > 0.0) {
+        let DecayedSums {
+            a: observed,
+            b: predicted,
+            steps,
+        } = self.0;
+        if !(steps > 0.0 && predicted > 0.0) {
             return 1.0;
         }
-        let prior = BIAS_PRIOR_STEPS * self.predicted / self.steps;
-        ((self.observed + prior) / (self.predicted + prior))
-            .clamp(BIAS_SCALE_RANGE.0, BIAS_SCALE_RANGE.1)
+        let prior = BIAS_PRIOR_STEPS * predicted / steps;
+        ((observed + prior) / (predicted + prior)).clamp(BIAS_SCALE_RANGE.0, BIAS_SCALE_RANGE.1)
     }
 }
 
@@ -1194,7 +1205,7 @@ mod tests {
         planner.observe_lookup(1, 4.0);
         planner.observe_lookup(0, 0.0);
         let gain = planner.lookup_gain();
-        let first_two = LOOKUP_DECAY / (1.0 + LOOKUP_DECAY);
+        let first_two = STEP_DECAY / (1.0 + STEP_DECAY);
         assert!((gain.tokens - first_two).abs() < 1e-12, "{gain:?}");
         for _ in 0..500 {
             planner.observe_lookup(1, 4.0);

@@ -3148,7 +3148,7 @@ impl<F: Format> Packed<F> {
         // order, so the result is the same bits.
         let kc = (1024 / F::BLOCK).max(1);
         let halves = G / S::LANES;
-        let dist = pf_dist::<F>(m);
+        let (dist, near) = (pf_dist::<F>(m), pf_near());
         for r0 in (0..m).step_by(RB) {
             let r1 = (r0 + RB).min(m);
             for gi in groups.clone() {
@@ -3164,7 +3164,7 @@ impl<F: Format> Packed<F> {
                             macro_rules! go {
                                 ($($n:literal)*) => {
                                     match rows {
-                                        $($n => unsafe { self.tile::<S, $n>(acts, m, t0, gi, half, b, out, pf) },)*
+                                        $($n => unsafe { self.tile::<S, $n>(acts, m, t0, gi, half, b, out, pf, near) },)*
                                         _ => unreachable!(),
                                     }
                                 };
@@ -3181,6 +3181,9 @@ impl<F: Format> Packed<F> {
         }
     }
 
+    /// One row tile's pass over `blocks` of group `gi`. `pf` is the far prefetch distance where
+    /// this pass streams the group from memory (0: it does not), `near` the near stream's
+    /// ([`pf_near`]), used only with `pf`.
     #[inline(always)]
     unsafe fn tile<S: Simd, const R: usize>(
         &self,
@@ -3192,10 +3195,10 @@ impl<F: Format> Packed<F> {
         blocks: std::ops::Range<usize>,
         out: OutPtr,
         pf: usize,
+        near: usize,
     ) {
         let base = self.bytes().as_ptr();
         let end = base as usize + self.size_bytes();
-        let near = if pf > 0 { pf_near() } else { 0 };
         let kb = self.kb;
         // SAFETY: group `gi` exists (caller), so its slot is inside `data`; rows `t0..t0 + R`
         // exist in `acts`.
