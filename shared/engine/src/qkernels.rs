@@ -1360,6 +1360,11 @@ pub(crate) trait Format: Send + Sync + 'static {
     /// count (decode of the 1.5B target 12–13 → 15–16 tokens/s on a Xeon, family 6 model 207,
     /// alternated runs). See [`pf_dist`].
     const PF_OFF_MAX_M: usize = 0;
+    /// Rows of the widest tile on the 512-bit paths: 8, or 16 where the format's kernel takes
+    /// 16 rows in one pass over each line ([`q4k_rows`], [`q6k_rows`]). Two 8-row tiles read
+    /// each line twice, the second time from cache with no memory traffic to overlap: one
+    /// thread, 8960 × 1536 from DRAM, Q4_K 172 → 189 G MAC/s, Q6_K 127 → 146.
+    const WIDE_ROWS: usize = 8;
     fn decode(raw: &Self::Raw) -> ColBlock;
     /// Write column `col`'s block into a zeroed (group, block) slot.
     fn write(main: &mut [u8], aux: &mut [u8], col: usize, b: &ColBlock);
@@ -1713,6 +1718,55 @@ unsafe fn q4k_pair<S: Simd, const R: usize, const RAW: bool>(
     }
 }
 
+/// Q4_K sub-block `4·HI + j` for a wide tile ([`Format::WIDE_ROWS`] rows): its eight lines are
+/// unpacked once, then each row runs one chain over them and scales it into `sumi` at once, as
+/// [`q6k_rows`] does for Q6_K. `RAW` as in [`q4k_pair`]; integer sums only, so the result
+/// equals [`q4k_pair`]'s exactly.
+#[inline(always)]
+unsafe fn q4k_rows<S: Simd, const R: usize, const HI: bool, const RAW: bool>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let m4 = S::set1_i8(0x0F);
+        let sb = 4 * HI as usize + j;
+        let w: [S::I; 8] = std::array::from_fn(|t| {
+            let v = S::load(main.add(64 * (8 * j + t) + 32 * half));
+            if HI {
+                S::hi_nibbles(v)
+            } else {
+                S::and(v, m4)
+            }
+        });
+        let sc = S::load_u8_i32(main.add(2048 + 16 * sb + S::LANES * half));
+        let byte = |t: usize| 4 * (32 * HI as usize + 8 * j + t);
+        // All rows' chains at once (16 registers; the 8-long chains need that many in flight
+        // to keep `vpdpbusd` busy). The sums stay in memory (volatile: read and written once
+        // per sub-block), else LLVM kept them in registers too and ran one chain at a time:
+        // 157 against 197 G MAC/s in cache.
+        let mut c = [S::zero(); R];
+        if !RAW {
+            for (r, cr) in c.iter_mut().enumerate() {
+                let a = acts[r];
+                *cr = S::bcast(std::ptr::addr_of!((*a).init32).cast::<i32>().add(sb) as *const u8);
+            }
+        }
+        for (t, &wt) in w.iter().enumerate() {
+            for (r, cr) in c.iter_mut().enumerate() {
+                *cr = S::dpbusd(*cr, wt, S::bcast(bcast_q(acts[r], byte(t))));
+            }
+        }
+        for (r, &cr) in c.iter().enumerate() {
+            let p = &mut sumi[r] as *mut S::I;
+            p.write_volatile(S::dpwssd(p.read_volatile(), cr, sc));
+        }
+    }
+}
+
 /// Quarter `q` of a Q6_K block as bytes of 6-bit values: the nibbles of line `v` (low ones for
 /// quarters 0 and 1) with the 2-bit field `q` of the high-bit line `hv` as bits 4–5.
 #[inline(always)]
@@ -1919,6 +1973,72 @@ unsafe fn q6k_dot<S: Simd, const R: usize>(
     }
 }
 
+/// Q6_K sub-block `4·Q + j` for a wide tile ([`Format::WIDE_ROWS`] rows): its four lines are
+/// unpacked once, then each row runs one short chain over them (one per half sub-block unless
+/// `WHOLE`) and scales it into `sumi` at once, so only the `R` sums stay live. [`q6k_pair`]
+/// keeps two chains per row live and spilled them at 16 rows; two 8-row passes each unpacked
+/// the same lines again (a sixth of the work on the 512-bit path). Integer sums only, so the
+/// result equals [`q6k_sub`]'s exactly.
+#[inline(always)]
+unsafe fn q6k_rows<S: Simd, const R: usize, const Q: usize, const WHOLE: bool>(
+    main: *const u8,
+    j: usize,
+    half: usize,
+    acts: &[*const ActK; R],
+    sumi: &mut [S::I; R],
+) {
+    // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
+    unsafe {
+        let lo_lines = main.add(64 * (16 * (Q % 2) + 4 * j) + 32 * half);
+        let hi_lines = main.add(2048 + 256 * j + 32 * half);
+        let w: [S::I; 4] = std::array::from_fn(|t| {
+            q6k_unpack::<S>(
+                S::load(lo_lines.add(64 * t)),
+                S::load(hi_lines.add(64 * t)),
+                Q,
+            )
+        });
+        let sb = 4 * Q + j;
+        let sc = q6k_scale::<S>(main, sb, half);
+        let x = |r: usize, t: usize| S::bcast(bcast_q(acts[r], 4 * (4 * sb + t)));
+        // Four rows at a time: four independent chains, written out for each group of four
+        // (R is 16 here; as a loop over the groups, LLVM kept the sums in memory). The chains
+        // are short, so four in flight per group keep `vpdpbusd` busy; all 16 at once with the
+        // sums in memory, as [`q4k_rows`] does, ran 2 % slower.
+        let (passes, lines) = if WHOLE { (1, 4) } else { (2, 2) };
+        macro_rules! rows_by {
+            ($r4:literal) => {
+                for h in 0..passes {
+                    let mut c = [S::zero(); N];
+                    for (i, ci) in c.iter_mut().enumerate() {
+                        let a = acts[$r4 + i];
+                        let init = if WHOLE {
+                            std::ptr::addr_of!((*a).init16).cast::<i32>().add(sb)
+                        } else {
+                            std::ptr::addr_of!((*a).init8).cast::<i32>().add(2 * sb + h)
+                        };
+                        *ci = S::bcast(init as *const u8);
+                    }
+                    for t in lines * h..lines * h + lines {
+                        for (i, ci) in c.iter_mut().enumerate() {
+                            *ci = S::dpbusd(*ci, w[t], x($r4 + i, t));
+                        }
+                    }
+                    for (i, &ci) in c.iter().enumerate() {
+                        sumi[$r4 + i] = S::dpwssd(sumi[$r4 + i], ci, sc);
+                    }
+                }
+            };
+        }
+        debug_assert_eq!(R, 16);
+        const N: usize = 4;
+        rows_by!(0);
+        rows_by!(4);
+        rows_by!(8);
+        rows_by!(12);
+    }
+}
+
 /// Row tiles up to this size (on 512-bit lanes; half on 256-bit) run Q6_K four quarters at a
 /// time ([`q6k_quad`]): `4·R` accumulators.
 const Q6K_QUAD_MAX_R: usize = 4;
@@ -1937,6 +2057,7 @@ impl Format for Q4K {
     // 32 nibble lines, 8 × 16 scales, 4 × 32 mins.
     const MAIN: usize = 2048 + 128 + 128;
     const AUX: usize = 64;
+    const WIDE_ROWS: usize = 16;
     const PF_OFF_MAX_M: usize = 1;
 
     #[cfg(target_arch = "x86_64")]
@@ -2024,7 +2145,22 @@ impl Format for Q4K {
             let mut sumi = [S::zero(); R];
             // Raw chains where every row's values allow it (the paired loop only).
             let raw = S::LANES == 16 && !S::I16_SUMS && all_fit(acts, FITS_Q4K_RAW);
-            if S::LANES == 16 {
+            if R > 8 && S::LANES == 16 && !S::I16_SUMS {
+                macro_rules! rows {
+                    ($raw:literal) => {
+                        for j in 0..4 {
+                            pf.part(j, 4, Self::MAIN);
+                            q4k_rows::<S, R, false, $raw>(main, j, half, acts, &mut sumi);
+                            q4k_rows::<S, R, true, $raw>(main, j, half, acts, &mut sumi);
+                        }
+                    };
+                }
+                if raw {
+                    rows!(true);
+                } else {
+                    rows!(false);
+                }
+            } else if S::LANES == 16 {
                 // 32 registers hold two accumulators per row (16 for the 256-bit paths would
                 // spill).
                 for j in 0..4 {
@@ -2105,6 +2241,7 @@ impl Format for Q6K {
     // 32 low-nibble lines, 16 lines of 2-bit high parts, 16 × 16 scales.
     const MAIN: usize = 2048 + 1024 + 256;
     const AUX: usize = 32;
+    const WIDE_ROWS: usize = 16;
 
     #[cfg(target_arch = "x86_64")]
     unsafe fn columns_amx(
@@ -2190,7 +2327,33 @@ impl Format for Q6K {
             let mut sumi = [S::zero(); R];
             // Whole-sub-block chains where every row's values allow it.
             let whole = !S::I16_SUMS && all_fit(acts, FITS_Q6K_WHOLE);
-            if R > Q6K_QUAD_MAX_R && S::LANES == 16 && !S::I16_SUMS {
+            if R > 8 && S::LANES == 16 && !S::I16_SUMS {
+                macro_rules! rows {
+                    ($whole:literal) => {
+                        for j in 0..4 {
+                            pf.part(j, 16, Self::MAIN);
+                            q6k_rows::<S, R, 0, $whole>(main, j, half, acts, &mut sumi);
+                        }
+                        for j in 0..4 {
+                            pf.part(4 + j, 16, Self::MAIN);
+                            q6k_rows::<S, R, 1, $whole>(main, j, half, acts, &mut sumi);
+                        }
+                        for j in 0..4 {
+                            pf.part(8 + j, 16, Self::MAIN);
+                            q6k_rows::<S, R, 2, $whole>(main, j, half, acts, &mut sumi);
+                        }
+                        for j in 0..4 {
+                            pf.part(12 + j, 16, Self::MAIN);
+                            q6k_rows::<S, R, 3, $whole>(main, j, half, acts, &mut sumi);
+                        }
+                    };
+                }
+                if whole {
+                    rows!(true);
+                } else {
+                    rows!(false);
+                }
+            } else if R > Q6K_QUAD_MAX_R && S::LANES == 16 && !S::I16_SUMS {
                 macro_rules! pairs {
                     ($whole:literal) => {
                         for j in 0..4 {
@@ -3154,8 +3317,11 @@ impl<F: Format> Packed<F> {
             for gi in groups.clone() {
                 for b0 in (0..self.kb).step_by(kc) {
                     let blocks = b0..(b0 + kc).min(self.kb);
-                    for t0 in (r0..r1).step_by(RT) {
-                        let rows = (r1 - t0).min(RT);
+                    let mut t0 = r0;
+                    while t0 < r1 {
+                        // Full wide tiles where the format has them, then tiles of `RT`.
+                        let wide = RT == 8 && F::WIDE_ROWS == 16 && r1 - t0 >= 16;
+                        let rows = if wide { 16 } else { (r1 - t0).min(RT) };
                         for half in 0..halves {
                             // The first pass over a group streams it from memory: prefetch
                             // ahead.
@@ -3169,12 +3335,15 @@ impl<F: Format> Packed<F> {
                                     }
                                 };
                             }
-                            if RT == 8 {
+                            if wide {
+                                go!(16);
+                            } else if RT == 8 {
                                 go!(1 2 3 4 5 6 7 8);
                             } else {
                                 go!(1 2 3 4);
                             }
                         }
+                        t0 += rows;
                     }
                 }
             }

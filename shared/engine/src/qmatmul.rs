@@ -907,7 +907,9 @@ mod tests {
             }
             for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
                 // 9+ and 32+ rows take the AMX tiles where the CPU has them (17, 33: a last tile
-                // that starts early; 70: a second stripe of 64 rows).
+                // that starts early; 70: a second stripe of 64 rows); 17, 33 and 70 also the
+                // 16-row tiles of the 512-bit paths (`Format::WIDE_ROWS`), each then one of
+                // 1 or 6 rows.
                 for m in [1usize, 2, 3, 5, 8, 13, 17, 33, 70] {
                     let mut got = vec![0f32; m * n];
                     kern.matmul_isa(isa, m, &x[..m * k], &mut got);
@@ -942,7 +944,8 @@ mod tests {
         fn check<F: Format<Act = ActK>>(dtype: GgmlDType, want_q4: bool) {
             let (n, k) = (37, 2560);
             let kern = packed_kernel::<F>(dtype, n, k);
-            for m in [1usize, 3, 5, 8, 13] {
+            // 16 and 33 rows: the wide tiles (`Format::WIDE_ROWS`) on the 512-bit paths.
+            for m in [1usize, 3, 5, 8, 13, 16, 33] {
                 let x = inputs(m, k);
                 let short = qkernels::quantize_rows::<ActK>(&x, m, k);
                 let allowed = short
