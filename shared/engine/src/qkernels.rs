@@ -39,7 +39,8 @@
 //! the final value must fit); Q8_0 uses the sign trick.
 //!
 //! **Loop order** ([`Packed::run`]): per column group, K chunks of 1,024 values; per chunk,
-//! row tiles (8 rows on 512-bit and AVX2, 4 on AVX-VNNI) and the group's halves, so the chunk's
+//! row tiles (8 rows on 512-bit and AVX2, 4 on AVX-VNNI; 16 for Q4_K and Q6_K on 512-bit,
+//! [`Format::WIDE_ROWS`]) and the group's halves, so the chunk's
 //! weights and a tile's activations stay in L1 while every tile passes over them. Partial sums
 //! wait in the output between chunks, and each output still adds its blocks in k order.
 
@@ -3319,8 +3320,9 @@ impl<F: Format> Packed<F> {
                     let blocks = b0..(b0 + kc).min(self.kb);
                     let mut t0 = r0;
                     while t0 < r1 {
-                        // Full wide tiles where the format has them, then tiles of `RT`.
-                        let wide = RT == 8 && F::WIDE_ROWS == 16 && r1 - t0 >= 16;
+                        // Full wide tiles where the format has them (the 512-bit paths: 8-row
+                        // tiles, 16 lanes), then tiles of `RT`.
+                        let wide = RT == 8 && S::LANES == 16 && F::WIDE_ROWS == 16 && r1 - t0 >= 16;
                         let rows = if wide { 16 } else { (r1 - t0).min(RT) };
                         for half in 0..halves {
                             // The first pass over a group streams it from memory: prefetch
