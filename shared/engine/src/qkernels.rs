@@ -1900,6 +1900,25 @@ unsafe fn q6k_pair<S: Simd, const R: usize, const P: usize, const WHOLE: bool>(
     }
 }
 
+/// The four lines of Q6_K sub-block `4·Q + j` unpacked to 6-bit values ([`q6k_unpack`]).
+#[inline(always)]
+unsafe fn q6k_lines<S: Simd, const Q: usize>(main: *const u8, j: usize, half: usize) -> [S::I; 4] {
+    // SAFETY: offsets inside the (group, block) slot (caller).
+    unsafe {
+        // Base pointers per sub-block, as in [`q4k_sub`].
+        let lo_lines = main.add(64 * (16 * (Q % 2) + 4 * j) + 32 * half);
+        let hi_lines = main.add(2048 + 256 * j + 32 * half);
+        // A loop, not `array::from_fn`: from here its closure was not inlined (16 rows 121
+        // against 154 G MAC/s in cache).
+        let mut w = [S::zero(); 4];
+        for (t, wt) in w.iter_mut().enumerate() {
+            let (v, hv) = (S::load(lo_lines.add(64 * t)), S::load(hi_lines.add(64 * t)));
+            *wt = q6k_unpack::<S>(v, hv, Q);
+        }
+        w
+    }
+}
+
 /// Q6_K sub-block `4·Q + j` (k-groups `16Q + 4j ..+4`; quarter `Q` fixes the nibble and the
 /// shift of the high bits): scale · (dot − 32 Σx), added to `sumi`.
 #[inline(always)]
@@ -1912,16 +1931,7 @@ unsafe fn q6k_sub<S: Simd, const R: usize, const Q: usize>(
 ) {
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
-        // Base pointers per sub-block, as in [`q4k_sub`].
-        let lo_lines = main.add(64 * (16 * (Q % 2) + 4 * j) + 32 * half);
-        let hi_lines = main.add(2048 + 256 * j + 32 * half);
-        let w: [S::I; 4] = std::array::from_fn(|t| {
-            q6k_unpack::<S>(
-                S::load(lo_lines.add(64 * t)),
-                S::load(hi_lines.add(64 * t)),
-                Q,
-            )
-        });
+        let w = q6k_lines::<S, Q>(main, j, half);
         q6k_dot::<S, R>(&w, main, 4 * Q + j, half, acts, sumi);
     }
 }
@@ -1990,15 +2000,7 @@ unsafe fn q6k_rows<S: Simd, const R: usize, const Q: usize, const WHOLE: bool>(
 ) {
     // SAFETY: offsets inside the (group, block) slot and the activation blocks (caller).
     unsafe {
-        let lo_lines = main.add(64 * (16 * (Q % 2) + 4 * j) + 32 * half);
-        let hi_lines = main.add(2048 + 256 * j + 32 * half);
-        let w: [S::I; 4] = std::array::from_fn(|t| {
-            q6k_unpack::<S>(
-                S::load(lo_lines.add(64 * t)),
-                S::load(hi_lines.add(64 * t)),
-                Q,
-            )
-        });
+        let w = q6k_lines::<S, Q>(main, j, half);
         let sb = 4 * Q + j;
         let sc = q6k_scale::<S>(main, sb, half);
         let x = |r: usize, t: usize| S::bcast(bcast_q(acts[r], 4 * (4 * sb + t)));
@@ -2328,49 +2330,27 @@ impl Format for Q6K {
             let mut sumi = [S::zero(); R];
             // Whole-sub-block chains where every row's values allow it.
             let whole = !S::I16_SUMS && all_fit(acts, FITS_Q6K_WHOLE);
+            // Per quarter `q` (or pair of quarters, `q` and `q + 2`), its four sub-blocks with
+            // their share of the prefetches.
+            macro_rules! quarters {
+                ($kernel:ident, $whole:literal, $parts:literal, $($q:literal)*) => {
+                    $(for j in 0..4 {
+                        pf.part(4 * $q + j, $parts, Self::MAIN);
+                        $kernel::<S, R, $q, $whole>(main, j, half, acts, &mut sumi);
+                    })*
+                };
+            }
             if R > 8 && S::LANES == 16 && !S::I16_SUMS {
-                macro_rules! rows {
-                    ($whole:literal) => {
-                        for j in 0..4 {
-                            pf.part(j, 16, Self::MAIN);
-                            q6k_rows::<S, R, 0, $whole>(main, j, half, acts, &mut sumi);
-                        }
-                        for j in 0..4 {
-                            pf.part(4 + j, 16, Self::MAIN);
-                            q6k_rows::<S, R, 1, $whole>(main, j, half, acts, &mut sumi);
-                        }
-                        for j in 0..4 {
-                            pf.part(8 + j, 16, Self::MAIN);
-                            q6k_rows::<S, R, 2, $whole>(main, j, half, acts, &mut sumi);
-                        }
-                        for j in 0..4 {
-                            pf.part(12 + j, 16, Self::MAIN);
-                            q6k_rows::<S, R, 3, $whole>(main, j, half, acts, &mut sumi);
-                        }
-                    };
-                }
                 if whole {
-                    rows!(true);
+                    quarters!(q6k_rows, true, 16, 0 1 2 3);
                 } else {
-                    rows!(false);
+                    quarters!(q6k_rows, false, 16, 0 1 2 3);
                 }
             } else if R > Q6K_QUAD_MAX_R && S::LANES == 16 && !S::I16_SUMS {
-                macro_rules! pairs {
-                    ($whole:literal) => {
-                        for j in 0..4 {
-                            pf.part(j, 8, Self::MAIN);
-                            q6k_pair::<S, R, 0, $whole>(main, j, half, acts, &mut sumi);
-                        }
-                        for j in 0..4 {
-                            pf.part(4 + j, 8, Self::MAIN);
-                            q6k_pair::<S, R, 1, $whole>(main, j, half, acts, &mut sumi);
-                        }
-                    };
-                }
                 if whole {
-                    pairs!(true);
+                    quarters!(q6k_pair, true, 8, 0 1);
                 } else {
-                    pairs!(false);
+                    quarters!(q6k_pair, false, 8, 0 1);
                 }
             } else if R > Q6K_QUAD_MAX_R * S::LANES / 16 || S::I16_SUMS {
                 for j in 0..4 {
