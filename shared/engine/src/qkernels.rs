@@ -1735,14 +1735,12 @@ unsafe fn q4k_rows<S: Simd, const R: usize, const HI: bool, const RAW: bool>(
     unsafe {
         let m4 = S::set1_i8(0x0F);
         let sb = 4 * HI as usize + j;
-        let w: [S::I; 8] = std::array::from_fn(|t| {
+        // A loop, not `array::from_fn` (see [`q6k_lines`]).
+        let mut w = [S::zero(); 8];
+        for (t, wt) in w.iter_mut().enumerate() {
             let v = S::load(main.add(64 * (8 * j + t) + 32 * half));
-            if HI {
-                S::hi_nibbles(v)
-            } else {
-                S::and(v, m4)
-            }
-        });
+            *wt = if HI { S::hi_nibbles(v) } else { S::and(v, m4) };
+        }
         let sc = S::load_u8_i32(main.add(2048 + 16 * sb + S::LANES * half));
         let byte = |t: usize| 4 * (32 * HI as usize + 8 * j + t);
         // All rows' chains at once (16 registers; the 8-long chains need that many in flight
@@ -2148,30 +2146,24 @@ impl Format for Q4K {
             let mut sumi = [S::zero(); R];
             // Raw chains where every row's values allow it (the paired loop only).
             let raw = S::LANES == 16 && !S::I16_SUMS && all_fit(acts, FITS_Q4K_RAW);
-            if R > 8 && S::LANES == 16 && !S::I16_SUMS {
-                macro_rules! rows {
-                    ($raw:literal) => {
-                        for j in 0..4 {
-                            pf.part(j, 4, Self::MAIN);
-                            q4k_rows::<S, R, false, $raw>(main, j, half, acts, &mut sumi);
-                            q4k_rows::<S, R, true, $raw>(main, j, half, acts, &mut sumi);
-                        }
-                    };
-                }
-                if raw {
-                    rows!(true);
-                } else {
-                    rows!(false);
-                }
-            } else if S::LANES == 16 {
+            if S::LANES == 16 {
                 // 32 registers hold two accumulators per row (16 for the 256-bit paths would
-                // spill).
+                // spill); a wide tile's 16 rows run one chain each instead.
+                let wide = R > 8 && !S::I16_SUMS;
+                let s = &mut sumi;
                 for j in 0..4 {
                     pf.part(j, 4, Self::MAIN);
-                    if raw {
-                        q4k_pair::<S, R, true>(main, j, half, acts, &mut sumi);
-                    } else {
-                        q4k_pair::<S, R, false>(main, j, half, acts, &mut sumi);
+                    match (wide, raw) {
+                        (true, true) => {
+                            q4k_rows::<S, R, false, true>(main, j, half, acts, s);
+                            q4k_rows::<S, R, true, true>(main, j, half, acts, s);
+                        }
+                        (true, false) => {
+                            q4k_rows::<S, R, false, false>(main, j, half, acts, s);
+                            q4k_rows::<S, R, true, false>(main, j, half, acts, s);
+                        }
+                        (false, true) => q4k_pair::<S, R, true>(main, j, half, acts, s),
+                        (false, false) => q4k_pair::<S, R, false>(main, j, half, acts, s),
                     }
                 }
             } else {

@@ -957,6 +957,17 @@ mod tests {
                     "{dtype:?}: only {allowed} of {} blocks take the short path",
                     short.len()
                 );
+                // A tile takes a short path only where all its rows allow it: some block's
+                // first 16 rows must, so that the wide tiles exercise it too (block-major
+                // activations: block `b`'s rows are `b·m ..`).
+                if m >= 16 {
+                    let fits = |a: &ActK| if want_q4 { a.fits().0 } else { a.fits().1 };
+                    let wide = short.chunks(m).filter(|b| b[..16].iter().all(fits)).count();
+                    assert!(
+                        wide > 0,
+                        "{dtype:?} m={m}: no 16-row tile takes the short path"
+                    );
+                }
                 let mut long = short.clone();
                 long.iter_mut().for_each(ActK::forbid_short_paths);
                 for isa in Isa::ALL.into_iter().filter(|i| i.available()) {
